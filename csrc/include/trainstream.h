@@ -1,0 +1,35 @@
+// Declarations shared by the translation units of trainstream_hf._C.
+//
+// Every op schema lives in csrc/trainstream.cpp (one TORCH_LIBRARY block); kernels live in
+// csrc/cpu/*.cpp and csrc/cuda/*.cu and are registered next to their definition with
+// TORCH_LIBRARY_IMPL. Stateful runtime objects (host arena, staging pool) are pybind11 classes whose
+// init_* functions are called from the single PYBIND11_MODULE in csrc/trainstream.cpp.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+
+namespace trainstream {
+
+// csrc/cpu/adamw.cpp -------------------------------------------------------------------------
+// One AdamW step (torch.optim.AdamW maths, decoupled weight decay, bias correction) over fp32
+// master weights, in place. grad is fp32 or bf16; param_bf16, when given, receives bf16(param)
+// after the update in the same pass. All tensors contiguous, same numel, on the CPU.
+void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                    const at::Tensor& grad, const std::optional<at::Tensor>& param_bf16, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    bool maximize);
+
+// csrc/runtime/arena.cpp ---------------------------------------------------------------------
+void init_arena(pybind11::module_& m);
+
+// csrc/cpu/staging.cpp -----------------------------------------------------------------------
+void init_staging(pybind11::module_& m);
+
+// True when this build was compiled with CUDA support (TRAINSTREAM_WITH_CUDA).
+bool built_with_cuda();
+
+}  // namespace trainstream

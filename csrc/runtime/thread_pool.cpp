@@ -1,0 +1,104 @@
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <exception>
+
+#include <ATen/Parallel.h>
+
+namespace trainstream {
+
+namespace {
+thread_local bool in_pool_job = false;
+}
+
+ThreadPool::ThreadPool(int num_threads) {
+  const int extra = std::max(0, num_threads - 1);
+  workers_.reserve(extra);
+  for (int i = 0; i < extra; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::worker_loop(int index) {
+  int64_t seen = 0;
+  for (;;) {
+    const std::function<void(int64_t, int64_t)>* job;
+    int64_t n;
+    int chunks;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+      n = job_n_;
+      chunks = job_chunks_;
+    }
+    if (index < chunks) {
+      const int64_t begin = n * index / chunks, end = n * (index + 1) / chunks;
+      in_pool_job = true;
+      try {
+        (*job)(begin, end);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      in_pool_job = false;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_all();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n, int64_t grain, int num_threads,
+                              const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  int chunks = static_cast<int>(std::min<int64_t>({(n + grain - 1) / grain,
+                                                   static_cast<int64_t>(std::max(num_threads, 1)),
+                                                   static_cast<int64_t>(size())}));
+  if (chunks <= 1 || in_pool_job) {
+    fn(0, n);
+    return;
+  }
+  std::lock_guard<std::mutex> call_lock(call_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = &fn;
+    job_n_ = n;
+    job_chunks_ = chunks;
+    pending_ = chunks - 1;
+    error_ = nullptr;
+    ++generation_;
+  }
+  wake_.notify_all();
+  std::exception_ptr mine;
+  in_pool_job = true;
+  try {
+    fn(0, n / chunks);
+  } catch (...) {
+    mine = std::current_exception();
+  }
+  in_pool_job = false;
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [&] { return pending_ == 0; });
+  job_ = nullptr;
+  if (mine) std::rethrow_exception(mine);
+  if (error_) std::rethrow_exception(error_);
+}
+
+ThreadPool& global_pool() {
+  static ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return pool;
+}
+
+int default_num_threads() { return std::max(1, at::get_num_threads()); }
+
+}  // namespace trainstream

@@ -1,0 +1,36 @@
+// trainstream_hf._C: the one place where op schemas are declared and the Python module is built.
+//
+// Kernels register themselves beside their definitions (TORCH_LIBRARY_IMPL in csrc/cpu, csrc/cuda).
+// The Python face of every op is trainstream_hf/ops.py.
+#include <torch/library.h>
+#include <torch/extension.h>
+
+#include "include/trainstream.h"
+
+namespace trainstream {
+
+bool built_with_cuda() {
+#ifdef TRAINSTREAM_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace trainstream
+
+TORCH_LIBRARY(trainstream, m) {
+  // AdamW step over fp32 master weights, in place; optional bf16 copy of the result.
+  m.def(
+      "adamw_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
+      "Tensor(d!)? param_bf16, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "int step, bool maximize) -> ()");
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "trainstream_hf native runtime: host arena, staging pool (ops live in torch.ops.trainstream)";
+  m.def("built_with_cuda", &trainstream::built_with_cuda,
+        "True when the extension was compiled with CUDA support.");
+  trainstream::init_arena(m);
+  trainstream::init_staging(m);
+}

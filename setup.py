@@ -1,0 +1,87 @@
+"""Builds trainstream_hf._C, the native extension.
+
+Switches (environment variables):
+  TRAINSTREAM_CUDA=0/1   build the CUDA kernels and the cudaHostAlloc arena. Default: on when CUDA_HOME
+                         exists and torch was built with CUDA. Never decided by torch.cuda.is_available(),
+                         so a build on a GPU-less build host still gets CUDA kernels.
+  TORCH_CUDA_ARCH_LIST   respected; default "9.0" plus 10.0 / 12.0 where the nvcc in use supports them.
+  DEBUG=1                -O0 -g, no NDEBUG.
+  MAX_JOBS               parallel compile jobs (ninja).
+"""
+import glob
+import os
+import re
+import subprocess
+
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise SystemExit(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _nvcc_version(cuda_home):
+    try:
+        out = subprocess.check_output([os.path.join(cuda_home, "bin", "nvcc"), "--version"], text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _default_arch_list(cuda_home):
+    archs = ["9.0"]
+    version = _nvcc_version(cuda_home)
+    if version is not None and version >= (12, 8):  # first nvcc with sm_100 / sm_120
+        archs += ["10.0", "12.0"]
+    return ";".join(archs)
+
+
+cuda_home = cpp_extension.CUDA_HOME
+with_cuda = _flag("TRAINSTREAM_CUDA", bool(cuda_home) and torch.version.cuda is not None)
+if with_cuda and not cuda_home:
+    raise SystemExit("TRAINSTREAM_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME")
+if with_cuda and torch.version.cuda is None:
+    raise SystemExit(f"TRAINSTREAM_CUDA=1 but torch {torch.__version__} was built without CUDA")
+debug = _flag("DEBUG", False)
+
+sources = ["csrc/trainstream.cpp"]
+sources += sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/runtime/*.cpp"))
+define_macros = []
+opt = ["-O0", "-g"] if debug else ["-O3"]
+cxx_flags = opt + ["-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
+nvcc_flags = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
+if debug:
+    cxx_flags.append("-UNDEBUG")
+    nvcc_flags += ["-G", "-UNDEBUG"]
+
+if with_cuda:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list(cuda_home))
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    define_macros.append(("TRAINSTREAM_WITH_CUDA", "1"))
+    ext = cpp_extension.CUDAExtension(
+        "trainstream_hf._C",
+        sources,
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        libraries=["cudart"],
+    )
+else:
+    ext = cpp_extension.CppExtension(
+        "trainstream_hf._C", sources, define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
