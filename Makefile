@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine that has only Python:
+#   make test   creates .venv, installs torch 2.13.0 (CPU) if no torch is there, builds the extension, runs pytest
+#   make demo   the main job (today: the micro-benchmarks; JSON under build/demo/)
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: test demo build gpu-check clean
+
+$(VENV)/.ready: pyproject.toml setup.py
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q setuptools wheel pybind11 ninja
+	MAX_JOBS=$(JOBS) $(VPY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+# Incremental (ninja) rebuild of trainstream_hf._C in place after C++ changes.
+build: $(VENV)/.ready
+	MAX_JOBS=$(JOBS) $(VPY) setup.py -q build_ext --inplace
+
+test: build
+	$(VPY) -m pytest -q tests
+
+demo: build
+	$(VPY) -m trainstream_hf.bench micro --out build/demo
+
+# On the GPU machine (see scripts/gpu_check.sh): build for sm_90, run CPU + GPU tests and the benchmarks.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf build *.egg-info trainstream_hf/_C*.so

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (shared/GPU.md): install carried wheels, build for sm_90, run the CPU and
+# GPU tests, run the micro-benchmarks; logs and JSON go to $OUT (or ./gpu-out).
+#   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_check.sh [pytest args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+status=0
+step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+
+step "environment"
+{ nvidia-smi; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; nproc; free -g; } \
+  > "$OUT/env.log" 2>&1; tail -3 "$OUT/env.log"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  step "carried wheels"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || { echo "wheel install failed"; status=1; }
+fi
+
+step "build (sm_90)"
+if ! TRAINSTREAM_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+     $PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+$PY -c "from trainstream_hf import ops; assert ops.built_with_cuda(), 'not a CUDA build'; print('CUDA build ok')" || exit 1
+
+step "tests (CPU + GPU)"
+$PY -m pytest -q -p no:cacheprovider tests --junitxml="$OUT/pytest.xml" "$@" > "$OUT/pytest.log" 2>&1 || status=1
+tail -25 "$OUT/pytest.log"
+
+step "micro-benchmarks"
+$PY -m trainstream_hf.bench micro --out "$OUT" > "$OUT/bench-micro.md" 2> "$OUT/bench-micro.err" || { status=1; tail -20 "$OUT/bench-micro.err"; }
+cat "$OUT/bench-micro.md"
+
+step "done (status $status)"
+exit $status

@@ -1,0 +1,43 @@
+import pytest
+
+from trainstream_hf.config import TrainStreamConfig, parse_bytes
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("48GiB", 48 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    (123, 123), ("2kib", 2048), (8.0, 8),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["48 parsecs", "GiB", "-1", -5, 1.5, True, [1]])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises((ValueError, TypeError), match="size"):
+        parse_bytes(bad)
+
+
+def test_config_defaults_and_dict():
+    cfg = TrainStreamConfig()
+    assert cfg.host_arena == "auto" and cfg.quantize is None
+    assert cfg.to_dict()["outliers"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"quantize": "int3"}, "unknown format"),
+    ({"outliers": 0.7}, r"\[0, 0.5\]"),
+    ({"vram_budget": 1.5}, "fraction"),
+    ({"vram_budget": "lots"}, "cannot parse"),
+    ({"host_arena": "48 GiBs"}, "cannot parse"),
+    ({"host_arena_slab": "1MiB"}, "2 MiB"),
+    ({"staging_threads": -1}, "staging_threads"),
+    ({"peer": "maybe"}, "peer"),
+])
+def test_config_rejects(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        TrainStreamConfig(**kwargs)
+
+
+def test_every_field_documented():
+    from dataclasses import fields
+    assert all(f.metadata.get("help") for f in fields(TrainStreamConfig))

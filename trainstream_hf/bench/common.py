@@ -1,0 +1,97 @@
+"""What every benchmark writes: the environment it ran in, a markdown table, and a JSON file."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "benchmarks", "results")
+
+
+def environment() -> dict:
+    """Command, git commit, GPU, versions, host and date of this run."""
+    try:
+        root = os.path.dirname(RESULTS_DIR)
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+        dirty = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                             cwd=root, text=True, stderr=subprocess.DEVNULL).strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = os.environ.get("TRAINSTREAM_COMMIT", "unknown"), None
+    env = {
+        "command": " ".join([os.path.basename(sys.executable), "-m", "trainstream_hf.bench"] + sys.argv[1:]),
+        "commit": commit,
+        "dirty": dirty,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
+                      "memory_bytes": p.total_memory, "driver": _driver_version()}
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        return subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       text=True, stderr=subprocess.DEVNULL).strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None
+
+
+def median_time(fn: Callable[[], None], *, repeats: int = 10, warmup: int = 2, cuda: bool = False) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs (CUDA events when ``cuda``)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "" if v is None else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+    """Writes ``payload`` (plus the environment) to ``<out_dir>/<name>.json``; returns the path."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"environment": environment(), **payload}, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return path

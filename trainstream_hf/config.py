@@ -1,0 +1,97 @@
+"""TrainStreamConfig: the one dataclass for every option of the engine (validated, documented)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["TrainStreamConfig", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+QUANT_FORMATS = (None, "int8", "nf4", "fp8", "nvfp4")
+
+
+def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
+    """Parses a byte count: an int, or a string such as ``"48GiB"``, ``"512 MiB"``, ``"1.5GB"``.
+
+    Args:
+        value: the size. Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB,
+            GB, TB) powers of 1000.
+        name: the option's name, used in error messages.
+
+    Returns:
+        The size in bytes (>= 0).
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a byte count such as 2**30 or '1GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{name}: a float byte count must be whole, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"{name}: cannot parse {value!r}; use e.g. '48GiB', '512MiB', '2GB' or a "
+                             "number of bytes")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"{name}: expected int or str such as '48GiB', got {type(value).__name__}")
+    if n < 0:
+        raise ValueError(f"{name}: must be >= 0, got {value!r}")
+    return n
+
+
+@dataclass
+class TrainStreamConfig:
+    """Every option of trainstream_hf, in one place. Fields are validated on construction."""
+
+    quantize: str | None = field(default=None, metadata={
+        "help": "Storage format of frozen base weights: None (keep dtype), 'int8', 'nf4', 'fp8' or 'nvfp4'."})
+    outliers: float = field(default=0.0, metadata={
+        "help": "Fraction of input channels (0 to 0.5) kept in bf16 in quantized matmuls, chosen per call on "
+                "the device."})
+    vram_budget: int | float | str = field(default="auto", metadata={
+        "help": "Device memory the plan may use: bytes, a string like '24GiB', a fraction of the device's "
+                "memory in (0, 1], or 'auto' (free memory minus a margin)."})
+    host_arena: int | str | None = field(default="auto", metadata={
+        "help": "Pinned host memory reserved at wrap time: 'auto' (sized from what the plan needs), a size "
+                "such as '48GiB' or a byte count, or None/0 for no pinned arena (pageable copies)."})
+    host_arena_slab: int | str = field(default="1GiB", metadata={
+        "help": "Size of each pinned slab of the host arena."})
+    pageable_fallback: bool = field(default=False, metadata={
+        "help": "When the host arena is exhausted, hand out ordinary pageable tensors (one warning) instead "
+                "of raising ArenaExhaustedError."})
+    staging_threads: int = field(default=0, metadata={
+        "help": "CPU threads that copy unpinned weights into pinned staging buffers; 0 = min(8, cores)."})
+    peer: str | bool = field(default="auto", metadata={
+        "help": "Share pinned host pools between the GPUs of one host: 'auto', True or False."})
+
+    def __post_init__(self) -> None:
+        if self.quantize not in QUANT_FORMATS:
+            raise ValueError(f"quantize: unknown format {self.quantize!r}; choose one of "
+                             f"{', '.join(repr(f) for f in QUANT_FORMATS)}")
+        if not isinstance(self.outliers, (int, float)) or not 0.0 <= float(self.outliers) <= 0.5:
+            raise ValueError(f"outliers: a fraction of input channels in [0, 0.5], got {self.outliers!r}")
+        if isinstance(self.vram_budget, float) and not isinstance(self.vram_budget, bool):
+            if not 0.0 < self.vram_budget <= 1.0:
+                raise ValueError(f"vram_budget: a float is a fraction of device memory in (0, 1], got "
+                                 f"{self.vram_budget!r}; pass bytes as an int or a string like '24GiB'")
+        elif self.vram_budget != "auto":
+            parse_bytes(self.vram_budget, name="vram_budget")
+        if self.host_arena not in ("auto", None):
+            parse_bytes(self.host_arena, name="host_arena")
+        if parse_bytes(self.host_arena_slab, name="host_arena_slab") < 2**21:
+            raise ValueError("host_arena_slab: slabs smaller than 2 MiB defeat the point of slabs")
+        if not isinstance(self.staging_threads, int) or self.staging_threads < 0:
+            raise ValueError(f"staging_threads: an int >= 0, got {self.staging_threads!r}")
+        if self.peer not in ("auto", True, False):
+            raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
