@@ -60,6 +60,7 @@ def test_auto_arena_grows_and_reserve_for():
 
 
 def test_close_and_gc_release_everything():
+    gc.collect()
     base = _C.host_bytes_reserved()
     a = HostArena("8MiB", pinned=False, slab_bytes=8 * MiB)
     t = a.empty([1000], torch.float64)

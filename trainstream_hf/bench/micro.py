@@ -130,7 +130,7 @@ def run(quick: bool = False) -> tuple[dict, str]:
         md += ["Copy bandwidth and pinning: not run (no CUDA device or CPU build)."]
     numel = 2_000_000 if quick else 50_000_000
     payload["adamw"] = bench_adamw(numel=numel, repeats=repeats)
-    md += [f"### CPU AdamW, {numel:,} fp32 params (G params/s)",
+    md += [f"### CPU AdamW, {numel:,} fp32 params (G params/s; +bf16 = also writes the bf16 copy)",
            markdown_table(payload["adamw"], list(payload["adamw"][0]))]
     nbytes = 32 * MiB if quick else GiB
     payload["staging"] = staging(nbytes, threads, repeats)

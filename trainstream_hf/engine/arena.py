@@ -89,8 +89,13 @@ class HostArena:
             self.reserve(parse_bytes(size, name="host_arena"))
 
     # -- reservation ----------------------------------------------------------------------------
-    def reserve(self, nbytes: int) -> None:
-        """Adds slabs holding at least ``nbytes`` more, after checking the host can afford them."""
+    def reserve(self, nbytes: int, *, contiguous: bool = False) -> None:
+        """Adds slabs holding at least ``nbytes`` more, after checking the host can afford them.
+
+        Args:
+            nbytes: bytes to add, in slabs of ``slab_bytes``.
+            contiguous: one slab of ``nbytes`` (room for a single block larger than a slab).
+        """
         if nbytes <= 0:
             return
         available = host_memory_available()
@@ -102,7 +107,10 @@ class HostArena:
                 f"({available / gib:.2f} GiB) are available (MemAvailable); lower host_arena, free host "
                 "memory, or page fewer tensors")
         t0 = time.perf_counter()
-        self._native.reserve(int(nbytes))
+        if contiguous:
+            self._native.add_slab(int(nbytes))
+        else:
+            self._native.reserve(int(nbytes))
         self.pin_seconds += time.perf_counter() - t0
 
     def reserve_for(self, tensors_or_sizes: Iterable[torch.Tensor | int]) -> None:
@@ -124,7 +132,7 @@ class HostArena:
         except ArenaExhaustedError:
             if self.growable and not self.closed:
                 need = _nbytes(shape, dtype)
-                self.reserve(max(self.slab_bytes, need))
+                self.reserve(max(self.slab_bytes, need), contiguous=True)
                 return self._native.empty(shape, dtype)
             if not self.pageable_fallback:
                 raise

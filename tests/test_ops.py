@@ -1,0 +1,95 @@
+"""Native ops against their references and torch.optim.AdamW; opcheck for every op (CPU)."""
+import pytest
+import torch
+
+from trainstream_hf import ops
+
+
+def _rand(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    idx = torch.randint(0, n, (max(1, n // 1000),), generator=g)
+    x[idx] *= 100.0  # realistic outliers
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 17, 4099, 1_000_003])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adamw_matches_reference(n, grad_dtype, maximize):
+    p, m = _rand(n, 1), _rand(n, 2) * 0.01
+    v = _rand(n, 3).abs() * 0.01
+    grad = _rand(n, 4).to(grad_dtype)
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    kw = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=7, maximize=maximize)
+    ops.adamw_step_(p, m, v, grad, param_bf16=out, **kw)
+    ops.adamw_step_reference(rp, rm, rv, grad, **kw)
+    assert (p - rp).abs().max().item() < 1e-6
+    assert (m - rm).abs().max().item() < 1e-6 and (v - rv).abs().max().item() < 1e-6
+    assert torch.equal(out, p.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("lr,betas,eps,wd", [
+    (1e-3, (0.9, 0.999), 1e-8, 0.01), (3e-2, (0.8, 0.95), 1e-6, 0.0), (1e-4, (0.95, 0.9999), 1e-10, 0.5),
+])
+def test_adamw_20_steps_vs_torch(lr, betas, eps, wd):
+    n = 1_000_000
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(10))  # outliers are in the gradients
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 21):
+        grad = _rand(n, 100 + step)
+        ref.grad = grad.clone()
+        opt.step()
+        ops.adamw_step_(p, m, v, grad, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd,
+                        step=step)
+    st = opt.state[ref]
+    assert (p - ref.detach()).abs().max().item() < 1e-6
+    # moments grow with the outliers (|g| ~ 100): compare them relatively, a few float32 ulps
+    torch.testing.assert_close(m, st["exp_avg"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_independent_of_thread_count():
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            p, m, v = _rand(300_001, 5), torch.zeros(300_001), torch.zeros(300_001)
+            ops.adamw_step_(p, m, v, _rand(300_001, 6), lr=1e-2, step=1)
+            results.append(p)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("dtype", "param must be Float"), ("numel", "elements, param has"), ("noncontig", "contiguous"),
+    ("step", "step counts updates from 1"), ("grad16", "grad must be float32 or bfloat16"),
+])
+def test_adamw_bad_input(case, msg):
+    p, m, v, g = _rand(64, 1), torch.zeros(64), torch.zeros(64), _rand(64, 2)
+    kw = dict(lr=1e-3, step=1)
+    if case == "dtype":
+        p = p.double()
+    elif case == "numel":
+        m = torch.zeros(65)
+    elif case == "noncontig":
+        p = _rand(128, 1)[::2]
+    elif case == "step":
+        kw["step"] = 0
+    elif case == "grad16":
+        g = g.half()
+    with pytest.raises(RuntimeError, match=msg):
+        ops.adamw_step_(p, m, v, g, **kw)
+
+
+@pytest.mark.parametrize("with_bf16", [False, True])
+def test_adamw_opcheck(with_bf16):
+    n = 33
+    args = (_rand(n, 1), torch.zeros(n), torch.zeros(n), _rand(n, 2).to(torch.bfloat16),
+            torch.empty(n, dtype=torch.bfloat16) if with_bf16 else None, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3, False)
+    torch.library.opcheck(torch.ops.trainstream.adamw_step_.default, args)
