@@ -12,7 +12,7 @@
 #include "../include/trainstream.h"
 #include "../runtime/thread_pool.h"
 
-#pragma GCC optimize("fp-contract=off")
+#pragma GCC optimize("fp-contract=off", "no-math-errno", "no-trapping-math")
 
 namespace trainstream {
 namespace {
