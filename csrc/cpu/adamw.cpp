@@ -4,15 +4,21 @@
 // Regularization" (ICLR 2019). Scalars are formed in double and rounded to float as torch does; no implicit FMA
 // contraction; explicit fma where torch's vectorised kernels use one, so results follow torch's rounding. The bf16 copy rounds to nearest even, as
 // at::BFloat16's conversion does (NaN stays NaN).
+#include <immintrin.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include <torch/library.h>
 
 #include "../include/trainstream.h"
 #include "../runtime/thread_pool.h"
 
-#pragma GCC optimize("fp-contract=off", "no-math-errno", "no-trapping-math")
+#pragma GCC optimize("fp-contract=off")
+// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized in _mm512_cvtepi32_epi16 (its _mm256_undefined_si256).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace trainstream {
 namespace {
@@ -42,11 +48,11 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
-// G is float or uint16_t (bf16 bits). Simple loops: GCC vectorises them per clone target.
+// Scalar body: the tail of the vector loops and the path for CPUs without AVX2. G is float or uint16_t
+// (bf16 bits).
 template <typename G>
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-void adamw_chunk(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
-                 uint16_t* __restrict out, int64_t n, Scalars s, float sign) {
+inline void adamw_scalar(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
+                         uint16_t* __restrict out, int64_t n, const Scalars& s, float sign) {
   for (int64_t i = 0; i < n; ++i) {
     float gi;
     if constexpr (sizeof(G) == 2) gi = from_bf16(g[i]) * sign; else gi = g[i] * sign;
@@ -59,11 +65,139 @@ void adamw_chunk(float* __restrict p, float* __restrict m, float* __restrict v, 
     m[i] = mi;
     v[i] = vi;
     p[i] = pn;
-  }
-  if (out != nullptr) {
-    for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(p[i]);
+    if (out != nullptr) out[i] = to_bf16(pn);
   }
 }
+
+// AVX-512: 16 lanes, masked tail. Same operations in the same order as adamw_scalar: vsqrtps and vdivps are
+// correctly rounded, so every lane equals the scalar result bit for bit.
+template <typename G>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+void adamw_avx512(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
+                  uint16_t* __restrict out, int64_t n, const Scalars& s, float sign) {
+  const __m512 decay = _mm512_set1_ps(s.decay), omb1 = _mm512_set1_ps(s.one_m_beta1);
+  const __m512 b2 = _mm512_set1_ps(s.beta2), omb2 = _mm512_set1_ps(s.one_m_beta2);
+  const __m512 bc2 = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps);
+  const __m512 nstep = _mm512_set1_ps(s.neg_step), sg = _mm512_set1_ps(sign);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i rnd = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x40);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 gi;
+    if constexpr (sizeof(G) == 2) {
+      const __m256i h = _mm256_maskz_loadu_epi16(k, g + i);
+      gi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      gi = _mm512_maskz_loadu_ps(k, g + i);
+    }
+    gi = _mm512_mul_ps(gi, sg);
+    const __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
+    const __m512 mv = _mm512_maskz_loadu_ps(k, m + i);
+    const __m512 vv = _mm512_maskz_loadu_ps(k, v + i);
+    const __m512 pi = _mm512_mul_ps(pv, decay);
+    const __m512 mi = _mm512_fmadd_ps(omb1, _mm512_sub_ps(gi, mv), mv);
+    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, _mm512_mul_ps(vv, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    const __m512 pn = _mm512_fmadd_ps(nstep, _mm512_div_ps(mi, denom), pi);
+    _mm512_mask_storeu_ps(m + i, k, mi);
+    _mm512_mask_storeu_ps(v + i, k, vi);
+    _mm512_mask_storeu_ps(p + i, k, pn);
+    if (out != nullptr) {
+      const __m512i u = _mm512_castps_si512(pn);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(rnd, lsb)), 16);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+      r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), qnan));
+      _mm256_mask_storeu_epi16(out + i, k, _mm512_cvtepi32_epi16(r));
+    }
+  }
+}
+
+// AVX2: 8 lanes, scalar tail.
+template <typename G>
+__attribute__((target("avx2,fma")))
+void adamw_avx2(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
+                uint16_t* __restrict out, int64_t n, const Scalars& s, float sign) {
+  const __m256 decay = _mm256_set1_ps(s.decay), omb1 = _mm256_set1_ps(s.one_m_beta1);
+  const __m256 b2 = _mm256_set1_ps(s.beta2), omb2 = _mm256_set1_ps(s.one_m_beta2);
+  const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps);
+  const __m256 nstep = _mm256_set1_ps(s.neg_step), sg = _mm256_set1_ps(sign);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i rnd = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), qnan = _mm256_set1_epi32(0x40);
+  const int64_t nv = n & ~int64_t{7};
+  for (int64_t i = 0; i < nv; i += 8) {
+    __m256 gi;
+    if constexpr (sizeof(G) == 2) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
+      gi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      gi = _mm256_loadu_ps(g + i);
+    }
+    gi = _mm256_mul_ps(gi, sg);
+    const __m256 pv = _mm256_loadu_ps(p + i), mv = _mm256_loadu_ps(m + i), vv = _mm256_loadu_ps(v + i);
+    const __m256 pi = _mm256_mul_ps(pv, decay);
+    const __m256 mi = _mm256_fmadd_ps(omb1, _mm256_sub_ps(gi, mv), mv);
+    const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, _mm256_mul_ps(vv, b2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+    const __m256 pn = _mm256_fmadd_ps(nstep, _mm256_div_ps(mi, denom), pi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    _mm256_storeu_ps(p + i, pn);
+    if (out != nullptr) {
+      const __m256i u = _mm256_castps_si256(pn);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(rnd, lsb)), 16);
+      // |u| > inf as signed compare is exact here: both sides are below 2^31.
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+      r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), qnan), nan);
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    }
+  }
+  adamw_scalar<G>(p + nv, m + nv, v + nv, g + nv, out ? out + nv : nullptr, n - nv, s, sign);
+}
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa detect_isa() {
+  const char* forced = std::getenv("TRAINSTREAM_CPU_ISA");
+  Isa best = Isa::kScalar;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) best = Isa::kAvx512;
+  if (forced == nullptr || *forced == '\0') return best;
+  const std::string f(forced);
+  const Isa want = f == "scalar" ? Isa::kScalar : f == "avx2" ? Isa::kAvx2 : f == "avx512" ? Isa::kAvx512 : best;
+  TORCH_CHECK(f == "scalar" || f == "avx2" || f == "avx512",
+              "TRAINSTREAM_CPU_ISA must be scalar, avx2 or avx512, got '", f, "'");
+  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "TRAINSTREAM_CPU_ISA=", f,
+              " is not supported by this CPU");
+  return want;
+}
+
+template <typename G>
+void adamw_chunk(float* p, float* m, float* v, const G* g, uint16_t* out, int64_t n, const Scalars& s,
+                 float sign, Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: adamw_avx512<G>(p, m, v, g, out, n, s, sign); break;
+    case Isa::kAvx2: adamw_avx2<G>(p, m, v, g, out, n, s, sign); break;
+    default: adamw_scalar<G>(p, m, v, g, out, n, s, sign);
+  }
+}
+
+}  // namespace
+
+const char* adamw_isa() {
+  switch (detect_isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+namespace {
 
 void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu(), "adamw_step_: ", name, " must be a CPU tensor, got one on ", t.device());
@@ -109,6 +243,7 @@ void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_
                       ? reinterpret_cast<uint16_t*>(param_bf16->data_ptr<at::BFloat16>()) : nullptr;
   const bool g16 = grad.scalar_type() == at::kBFloat16;
   const void* g = grad.data_ptr();
+  const Isa isa = detect_isa();
   constexpr int64_t kGrain = 1 << 16;
   // Chunks start at multiples of 16 elements so every thread's loads stay 64-byte aligned.
   global_pool().parallel_for((n + 15) / 16, kGrain / 16, default_num_threads(), [&](int64_t b, int64_t e) {
@@ -116,9 +251,9 @@ void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_
     if (lo >= hi) return;
     uint16_t* o = out ? out + lo : nullptr;
     if (g16) {
-      adamw_chunk<uint16_t>(p + lo, m + lo, v + lo, static_cast<const uint16_t*>(g) + lo, o, hi - lo, s, sign);
+      adamw_chunk<uint16_t>(p + lo, m + lo, v + lo, static_cast<const uint16_t*>(g) + lo, o, hi - lo, s, sign, isa);
     } else {
-      adamw_chunk<float>(p + lo, m + lo, v + lo, static_cast<const float*>(g) + lo, o, hi - lo, s, sign);
+      adamw_chunk<float>(p + lo, m + lo, v + lo, static_cast<const float*>(g) + lo, o, hi - lo, s, sign, isa);
     }
   });
 }

@@ -32,4 +32,7 @@ void init_staging(pybind11::module_& m);
 // True when this build was compiled with CUDA support (TRAINSTREAM_WITH_CUDA).
 bool built_with_cuda();
 
+// The SIMD path the CPU AdamW uses on this machine: "avx512", "avx2" or "scalar" (TRAINSTREAM_CPU_ISA forces one).
+const char* adamw_isa();
+
 }  // namespace trainstream
