@@ -8,11 +8,16 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
+# The image's default CXX (/opt/gcc/bin/g++, "g++-real") links broken copies of libstdc++'s stream code into
+# the extension: the first std::ostringstream << long segfaults (cuda-gdb backtrace, 2026-12-03). The
+# distribution's g++ builds a working extension.
+if [[ -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 status=0
 step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 
 step "environment"
-{ nvidia-smi; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; nproc; free -g; } \
+{ nvidia-smi; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; nproc; free -g;
+  echo "CXX=${CXX:-} c++=$(command -v c++) g++=$(command -v g++)"; c++ --version | head -1; ls /usr/bin/g++* 2>/dev/null; } \
   > "$OUT/env.log" 2>&1; tail -3 "$OUT/env.log"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -27,6 +32,16 @@ if ! TRAINSTREAM_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JO
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 $PY -c "from trainstream_hf import ops; assert ops.built_with_cuda(), 'not a CUDA build'; print('CUDA build ok')" || exit 1
+# A C++ exception thrown by the extension must reach Python as an error, not kill the process (a compiler
+# whose libstdc++ differs from the one loaded at run time can break unwinding).
+$PY - <<'PY' || { echo "C++ EXCEPTIONS FROM THE EXTENSION CRASH THE PROCESS"; status=1; }
+import torch
+from trainstream_hf import ops
+try:
+    ops.adamw_step_(torch.zeros(4, dtype=torch.float64), torch.zeros(4), torch.zeros(4), torch.zeros(4), lr=1e-3, step=1)
+except RuntimeError as e:
+    print("C++ exception reached Python:", str(e).splitlines()[0])
+PY
 
 step "tests (CPU + GPU)"
 $PY -m pytest -q -p no:cacheprovider tests --junitxml="$OUT/pytest.xml" "$@" > "$OUT/pytest.log" 2>&1 || status=1

@@ -28,11 +28,6 @@ namespace {
 std::atomic<int64_t> g_reserved{0};
 std::atomic<int64_t> g_pinned{0};
 
-class ArenaExhausted : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 struct Slab {
   char* base;
   int64_t size;
@@ -112,7 +107,9 @@ struct ArenaState {
 
   struct Block { size_t slab; int64_t off; char* ptr; };
 
-  Block allocate(int64_t nbytes) {
+  // Exhaustion is a normal outcome (a growable arena adds a slab and retries), so it is reported with
+  // ptr == nullptr and a message, not a C++ exception: Python raises ArenaExhaustedError from it.
+  Block allocate(int64_t nbytes, std::string* why) {
     std::lock_guard<std::mutex> lock(mu);
     TORCH_CHECK(!closed, "HostArena: arena is closed");
     const int64_t n = (std::max<int64_t>(nbytes, 1) + alignment - 1) / alignment * alignment;
@@ -128,7 +125,8 @@ struct ArenaState {
       msg << "HostArena exhausted: requested " << nbytes << " bytes, largest free block "
           << largest_free_locked() << " bytes, reserved " << reserved << ", used " << used
           << "; reserve more (host_arena) or allow the pageable fallback";
-      throw ArenaExhausted(msg.str());
+      *why = msg.str();
+      return {0, 0, nullptr};
     }
     auto& fl = slabs[best_slab].free;
     fl.erase(best_off);
@@ -189,7 +187,8 @@ class HostArena {
     st.add_slab((nbytes + kRound - 1) / kRound * kRound);
   }
 
-  at::Tensor empty(std::vector<int64_t> sizes, py::object dtype_obj) {
+  // The tensor, or (None, reason) when no free block is large enough.
+  py::object empty(std::vector<int64_t> sizes, py::object dtype_obj) {
     const at::ScalarType dtype = torch::python::detail::py_object_to_dtype(dtype_obj);
     int64_t numel = 1;
     for (auto s : sizes) {
@@ -199,10 +198,12 @@ class HostArena {
     const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
     auto st = state_;
     TORCH_CHECK(st, "HostArena: arena is closed");
-    const auto [slab, off, ptr] = st->allocate(nbytes);
-    return at::from_blob(
+    std::string why;
+    const auto [slab, off, ptr] = st->allocate(nbytes, &why);
+    if (ptr == nullptr) return py::make_tuple(py::none(), why);
+    return py::cast(at::from_blob(
         ptr, sizes, [st, slab, off, nbytes](void*) { st->release(slab, off, nbytes); },
-        at::TensorOptions().dtype(dtype).device(at::kCPU));
+        at::TensorOptions().dtype(dtype).device(at::kCPU)));
   }
 
   py::dict stats() {
@@ -246,13 +247,13 @@ class HostArena {
 }  // namespace
 
 void init_arena(py::module_& m) {
-  py::register_exception<ArenaExhausted>(m, "ArenaExhaustedError", PyExc_MemoryError);
   py::class_<HostArena>(m, "HostArena", "Slabs of (pinned) host memory sub-allocated as CPU tensors.")
       .def(py::init<int64_t, bool, int64_t>(), py::arg("slab_bytes"), py::arg("pinned"),
            py::arg("alignment") = 256)
       .def("reserve", &HostArena::reserve, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
       .def("add_slab", &HostArena::add_slab, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
-      .def("empty", &HostArena::empty, py::arg("sizes"), py::arg("dtype"))
+      .def("empty", &HostArena::empty, py::arg("sizes"), py::arg("dtype"),
+           "A CPU tensor in the arena, or (None, reason) when exhausted.")
       .def("stats", &HostArena::stats)
       .def("close", &HostArena::close)
       .def_property_readonly("closed", &HostArena::closed);

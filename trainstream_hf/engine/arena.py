@@ -15,7 +15,6 @@ from typing import Iterable, Sequence
 import torch
 
 from trainstream_hf import ops
-from trainstream_hf._C import ArenaExhaustedError
 from trainstream_hf._C import HostArena as _NativeArena
 from trainstream_hf.config import parse_bytes
 
@@ -23,6 +22,10 @@ __all__ = ["HostArena", "ArenaExhaustedError", "HostMemoryError", "host_memory_a
            "pinning_supported"]
 
 _MEMINFO = "/proc/meminfo"
+
+
+class ArenaExhaustedError(MemoryError):
+    """Raised when a fixed-size arena has no free block large enough (and no pageable fallback)."""
 
 
 class HostMemoryError(MemoryError):
@@ -127,15 +130,17 @@ class HostArena:
     def empty(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A contiguous, uninitialised CPU tensor in the arena (pinned when the arena is)."""
         shape = [int(s) for s in shape]
-        try:
-            return self._native.empty(shape, dtype)
-        except ArenaExhaustedError:
-            if self.growable and not self.closed:
-                need = _nbytes(shape, dtype)
-                self.reserve(max(self.slab_bytes, need), contiguous=True)
-                return self._native.empty(shape, dtype)
-            if not self.pageable_fallback:
-                raise
+        out = self._native.empty(shape, dtype)
+        if isinstance(out, torch.Tensor):
+            return out
+        if self.growable and not self.closed:
+            need = _nbytes(shape, dtype)
+            self.reserve(max(self.slab_bytes, need), contiguous=True)
+            out = self._native.empty(shape, dtype)
+            if isinstance(out, torch.Tensor):
+                return out
+        if not self.pageable_fallback:
+            raise ArenaExhaustedError(out[1])
         if not self._warned_fallback:
             warnings.warn("host arena exhausted: handing out pageable memory (slower copies); raise "
                           "host_arena to keep every transfer pinned", RuntimeWarning, stacklevel=2)
