@@ -19,7 +19,10 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pa
 
 def environment() -> dict:
     """Command, git commit, GPU, versions, host and date of this run."""
+    # TRAINSTREAM_COMMIT wins: a copied tree (the GPU machine's) can carry a stale .git.
     try:
+        if os.environ.get("TRAINSTREAM_COMMIT"):
+            raise OSError("commit given by TRAINSTREAM_COMMIT")
         root = os.path.dirname(RESULTS_DIR)
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
                                          stderr=subprocess.DEVNULL).strip()
