@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (shared/GPU.md): install carried wheels, build for sm_90, run the CPU and
 # GPU tests, run the micro-benchmarks; logs and JSON go to $OUT (or ./gpu-out).
-#   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_check.sh [pytest args...]
+#   TRAINSTREAM_COMMIT=<sha> [BENCH="micro engine"] [BENCH_ARGS=...] bash scripts/gpu_check.sh [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -47,9 +47,13 @@ step "tests (CPU + GPU)"
 $PY -m pytest -q -p no:cacheprovider tests --junitxml="$OUT/pytest.xml" "$@" > "$OUT/pytest.log" 2>&1 || status=1
 tail -25 "$OUT/pytest.log"
 
-step "micro-benchmarks"
-$PY -m trainstream_hf.bench micro --out "$OUT" > "$OUT/bench-micro.md" 2> "$OUT/bench-micro.err" || { status=1; tail -20 "$OUT/bench-micro.err"; }
-cat "$OUT/bench-micro.md"
+# BENCH: suites to run (default micro); BENCH_ARGS: extra arguments for each, e.g. "--peers peft,ts_lora".
+for suite in ${BENCH-micro}; do
+  step "benchmark: $suite"
+  $PY -m trainstream_hf.bench $suite --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench-$suite.md" 2> "$OUT/bench-$suite.err" \
+    || { status=1; tail -20 "$OUT/bench-$suite.err"; }
+  cat "$OUT/bench-$suite.md"
+done
 
 step "done (status $status)"
 exit $status

@@ -71,6 +71,23 @@ class TrainStreamConfig:
         "help": "CPU threads that copy unpinned weights into pinned staging buffers; 0 = min(8, cores)."})
     peer: str | bool = field(default="auto", metadata={
         "help": "Share pinned host pools between the GPUs of one host: 'auto', True or False."})
+    offload_optimizer: str | bool = field(default="auto", metadata={
+        "help": "fp32 master weights and AdamW moments of large trainable parameters in host RAM, stepped on "
+                "the CPU: 'auto' (when the plan needs the room), True or False."})
+    grads: str = field(default="auto", metadata={
+        "help": "Gradients of offloaded parameters: 'device' (kept until step; torch's clip_grad_norm_ works), "
+                "'host' (moved during backward; clip with optimizer.clip_grad_norm_) or 'auto'."})
+    offload_activations: str | bool = field(default="auto", metadata={
+        "help": "Saved activations of blocks in host RAM between forward and backward: 'auto', True or False."})
+    page_weights: str | bool = field(default="auto", metadata={
+        "help": "Block weights in host RAM, streamed into device slots ahead of use: 'auto', True or False."})
+    slots: int = field(default=2, metadata={"help": "Device slots of the weight ring (>= 1)."})
+    prefetch: int = field(default=1, metadata={"help": "Blocks copied ahead into the ring (< slots)."})
+    batch_shape: tuple | None = field(default=None, metadata={
+        "help": "(batch, sequence length) of one micro-batch, for the plan's activation estimate; default "
+                "(1, min(2048, max_position_embeddings))."})
+    min_activation_bytes: int | str = field(default="1MiB", metadata={
+        "help": "Saved tensors smaller than this stay on the device."})
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANT_FORMATS:
@@ -92,6 +109,20 @@ class TrainStreamConfig:
             raise ValueError(f"staging_threads: an int >= 0, got {self.staging_threads!r}")
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
+        for name in ("offload_optimizer", "offload_activations", "page_weights"):
+            if getattr(self, name) not in ("auto", True, False):
+                raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
+        if self.grads not in ("auto", "device", "host"):
+            raise ValueError(f"grads: 'auto', 'device' or 'host', got {self.grads!r}")
+        if not isinstance(self.slots, int) or self.slots < 1:
+            raise ValueError(f"slots: an int >= 1, got {self.slots!r}")
+        if not isinstance(self.prefetch, int) or not 0 <= self.prefetch < self.slots:
+            raise ValueError(f"prefetch: an int in [0, slots - 1] = [0, {self.slots - 1}], got {self.prefetch!r}")
+        if self.batch_shape is not None:
+            if len(self.batch_shape) != 2 or any(not isinstance(x, int) or x < 1 for x in self.batch_shape):
+                raise ValueError(f"batch_shape: (batch, sequence length) of positive ints, got {self.batch_shape!r}")
+            self.batch_shape = tuple(self.batch_shape)
+        parse_bytes(self.min_activation_bytes, name="min_activation_bytes")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

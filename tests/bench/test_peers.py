@@ -1,0 +1,201 @@
+"""The peer side of the engine benchmark on CPU: model builders, the timing harness, the peers that run
+without CUDA, the clean "not run" rows of those that need it, and the ``peers --quick`` suite."""
+import json
+import sys
+
+import pytest
+import torch
+
+from trainstream_hf.bench import peers
+from trainstream_hf.bench.__main__ import main
+from trainstream_hf.bench.harness import measure_training, not_run, vram_cap
+from trainstream_hf.bench.models import SHAPES, build_model, make_batch, model_config
+
+
+@pytest.mark.parametrize("shape, params", [("llama3-8b", 8_030_261_248), ("llama3.2-3b", 3_212_749_824),
+                                           ("qwen2.5-32b", 32_763_876_352)])
+def test_shape_table_param_counts(shape, params):
+    model = build_model(shape, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert model.config._attn_implementation == "sdpa" and not model.config.use_cache
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_tied_embeddings_follow_the_table():
+    tied = build_model("llama3.2-3b", device="meta")
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    untied = build_model("llama3-8b", device="meta")
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+def test_unknown_shape_says_which_exist():
+    with pytest.raises(KeyError, match="tiny"):
+        model_config("llama-nope")
+
+
+def test_build_tiny_is_seeded_and_trains():
+    a = build_model("tiny", torch.bfloat16, "cpu", seed=1)
+    b = build_model("tiny", torch.bfloat16, "cpu", seed=1)
+    c = build_model("tiny", torch.bfloat16, "cpu", seed=2)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert not torch.equal(pa["model.layers.0.mlp.up_proj.weight"], pc["model.layers.0.mlp.up_proj.weight"])
+    assert a.training and a.dtype == torch.bfloat16
+    fp32 = build_model("tiny", torch.float32, "cpu")
+    assert all(p.dtype == torch.float32 for p in fp32.parameters())
+    batch = make_batch(2, 16, SHAPES["tiny"]["vocab_size"], "cpu", seed=3)
+    loss = a(**batch).loss
+    assert torch.isfinite(loss) and loss.item() > 0
+
+
+def test_make_batch_is_seeded_random_tokens():
+    x = make_batch(2, 64, 256, "cpu", seed=0)
+    assert x["input_ids"].shape == (2, 64) and x["input_ids"].dtype == torch.long
+    assert torch.equal(x["input_ids"], x["labels"]) and x["labels"].data_ptr() != x["input_ids"].data_ptr()
+    assert 0 <= x["input_ids"].min() and x["input_ids"].max() < 256 and x["input_ids"].unique().numel() > 50
+    assert torch.equal(make_batch(2, 64, 256, "cpu", seed=0)["input_ids"], x["input_ids"])
+    assert not torch.equal(make_batch(2, 64, 256, "cpu", seed=1)["input_ids"], x["input_ids"])
+
+
+@pytest.mark.parametrize("grad_ckpt", [False, True])
+def test_peft_lora_tiny_cpu(grad_ckpt):
+    row = peers.peft_lora("tiny", grad_ckpt, batch=2, seq=32, warmup=1, repeats=2, device="cpu")
+    assert row["status"] == "ok", row
+    assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(64 / row["step_s"])
+    assert row["peer"] == "peft_lora" and row["grad_ckpt"] is grad_ckpt and row["shape"] == "tiny"
+    # r=16 on q,k,v,o,gate,up,down of 2 layers: r * (in + out) each; the LM head is excluded.
+    h, i, kv = 64, 128, 32
+    per_layer = 16 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    assert row["trainable_params"] == 2 * per_layer
+    assert row["max_allocated"] is None  # no CUDA memory figures on CPU
+
+
+def test_torch_full_tiny_cpu():
+    row = peers.torch_full("tiny", batch=1, seq=32, warmup=1, repeats=2, device="cpu")
+    assert row["status"] == "ok", row
+    assert row["step_s"] > 0 and row["params"] == 106_816
+
+
+def test_not_installed_peers_say_so(monkeypatch):
+    for mod in ("bitsandbytes", "deepspeed"):
+        monkeypatch.setitem(sys.modules, mod, None)  # find_spec -> None, import -> ImportError
+    kw = dict(batch=1, seq=16, warmup=0, repeats=1, device="cpu")
+    for row, lib in ((peers.bnb_qlora("tiny", True, **kw), "bitsandbytes"),
+                     (peers.deepspeed_zero2_offload("tiny", True, None, **kw), "deepspeed")):
+        assert row["status"] == f"not run: {lib} not installed"
+        assert row["step_s"] is None and row["grad_ckpt"] is True and row["name"]
+
+
+def test_installed_cuda_peers_need_cuda(monkeypatch):
+    real = peers.importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("bitsandbytes", "deepspeed") else real(name, *a))
+    kw = dict(batch=1, seq=16, warmup=0, repeats=1, device="cpu")
+    assert peers.bnb_qlora("tiny", **kw)["status"] == "not run: requires CUDA"
+    assert peers.deepspeed_zero2_offload("tiny", **kw)["status"] == "not run: requires CUDA"
+
+
+def test_harness_reports_oom_and_releases(monkeypatch):
+    calls = {"steps": 0, "closed": 0}
+
+    def setup():
+        def step():
+            calls["steps"] += 1
+            if calls["steps"] == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step, lambda: calls.__setitem__("closed", calls["closed"] + 1)
+
+    row = measure_training("x", setup, device=torch.device("cpu"), warmup=1, repeats=3, fields={"peer": "p"})
+    assert row["status"] == "oom" and "Tried to allocate" in row["error"] and row["step_s"] is None
+    assert row["peer"] == "p" and calls["closed"] == 1
+
+
+def test_harness_propagates_other_errors():
+    def setup():
+        def step():
+            raise ValueError("a bug, not a result")
+        return step, None
+    with pytest.raises(ValueError, match="a bug"):
+        measure_training("x", setup, device=torch.device("cpu"), warmup=1, repeats=1)
+
+
+def test_harness_times_median_and_fields():
+    def setup():
+        return (lambda: torch.randn(64, 64) @ torch.randn(64, 64)), None
+    row = measure_training("mm", setup, device=torch.device("cpu"), warmup=1, repeats=3, tokens=10,
+                           fields={"shape": "s"}, vram_budget=123)
+    assert row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(10 / row["step_s"])
+    assert row["shape"] == "s" and row["vram_budget"] == 123 and row["setup_s"] >= 0
+    assert not_run("n", "why")["status"] == "not run: why"
+
+
+def test_vram_cap_is_a_no_op_off_cuda():
+    with vram_cap(2**30, torch.device("cpu")):
+        pass
+
+
+def test_cpu_adamw_time_restores_threads():
+    before = torch.get_num_threads()
+    row = peers.cpu_adamw_time(300_000, threads=1, repeats=2)
+    assert row["status"] == "ok" and row["step_s"] > 0
+    assert row["params_per_s"] == pytest.approx(300_000 / row["step_s"])
+    assert row["threads"] == 1 and torch.get_num_threads() == before
+
+
+def test_offload_bounds_arithmetic():
+    bw = {"status": "ok", "h2d_GBps": 50.0, "d2h_GBps": 40.0}
+    b = peers.offload_bounds(10**9, bw, 0.3)
+    assert b["grads_d2h_s"] == pytest.approx(0.05) and b["params_h2d_s"] == pytest.approx(0.04)
+    assert b["serial_s"] == pytest.approx(0.39) and b["overlapped_s"] == pytest.approx(0.3)
+    assert peers.offload_bounds(10**9, {"status": "not run: requires CUDA"}, 0.3)["status"].startswith("not run")
+
+
+def test_peers_quick_writes_json(tmp_path, capsys, monkeypatch):
+    for mod in ("bitsandbytes", "deepspeed"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    # The checkpointing variants are covered by test_peft_lora_tiny_cpu; leaving them out keeps this fast.
+    main(["peers", "--quick", "--seq", "16", "--repeats", "2",
+          "--peers", "bandwidth,peft,bnb,full,ds,ds_ckpt,cpu_adamw", "--out", str(tmp_path), "--name", "p"])
+    data = json.loads((tmp_path / "p.json").read_text())
+    env = data["environment"]
+    for key in ("command", "commit", "date", "torch", "cpu_count", "gpu"):
+        assert key in env
+    assert data["suite"] == "peers" and data["quick"] and data["shape"] == "tiny"
+    assert data["seq"] == 16 and data["repeats"] == 2 and data["warmup"] == 1
+    rows = {r["key"]: r for r in data["results"]}
+    assert set(rows) == {"peft", "bnb", "full", "ds", "ds_ckpt", "cpu_adamw"}
+    for key in ("peft", "full", "cpu_adamw"):
+        assert rows[key]["status"] == "ok" and rows[key]["step_s"] > 0, rows[key]
+    for key in ("bnb", "ds", "ds_ckpt"):
+        assert rows[key]["status"].startswith("not run"), rows[key]
+    assert rows["peft"]["x_first"] == 1.0
+    if not torch.cuda.is_available():
+        assert data["bandwidth"]["status"] == "not run: requires CUDA"
+    out = capsys.readouterr().out
+    assert "| group | name | status |" in out and "PEFT LoRA" in out
+
+
+def test_unknown_peer_is_refused():
+    with pytest.raises(ValueError, match="unknown peers"):
+        peers.run(quick=True, peers=["nope"])
+
+
+def test_extra_jobs_join_the_table_with_ratios():
+    seen = {}
+
+    def job(step_s):
+        def fn(shape, full_shape, budget, kw):
+            seen.update(shape=shape, full_shape=full_shape, budget=budget, **kw)
+            return {"name": f"job {step_s}", "step_s": step_s, "status": "ok", "max_allocated": None,
+                    "max_reserved": None}
+        return fn
+
+    payload, md = peers.run(quick=True, seq=16, repeats=2, peers=["cpu_adamw", "a", "b"],
+                            extra_jobs={"a": ("lora", job(0.25)), "b": ("lora", job(0.5))}, suite="engine")
+    assert payload["suite"] == "engine"
+    assert seen == {"shape": "tiny", "full_shape": "tiny", "budget": 24 * 2**30, "batch": 1, "seq": 16,
+                    "warmup": 1, "repeats": 2}
+    assert [r["key"] for r in payload["results"]] == ["cpu_adamw", "a", "b"]  # grouped, run order
+    _, a, b = payload["results"]
+    assert a["x_first"] == 1.0 and b["x_first"] == pytest.approx(2.0)
+    assert "x_first" not in payload["results"][0] and "| lora | job 0.5 | ok |" in md

@@ -1,0 +1,149 @@
+"""wrap() end to end on the CPU compute device: the engine changes where tensors live, not the maths."""
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+
+import trainstream_hf as ts
+
+
+def _llama(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def _batch(step, b=2, t=16):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, 128, (b, t), generator=g)
+    return ids
+
+
+FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True, min_activation_bytes=0,
+             vram_budget="64GiB", host_arena=None)
+
+
+def _train(model, opt, steps, *, clip=None, sched=None, accum=1, start=0):
+    losses = []
+    for s in range(start, start + steps):
+        for k in range(accum):
+            ids = _batch(s * accum + k)
+            loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
+            losses.append(loss.detach().clone())
+        if clip is not None:
+            (opt.clip_grad_norm_ if hasattr(opt, "clip_grad_norm_") and clip == "opt"
+             else lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))(1.0)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+    return losses
+
+
+def _max_diff(a, b):
+    return max((p.detach().float() - q.detach().float()).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("case", ["plain", "clip", "sched", "accum"])
+def test_wrapped_full_finetune_matches_torch_adamw(case):
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    model, opt = ts.wrap(model, opt, **FORCE, grads="host" if case == "clip" else "auto")
+    assert isinstance(opt, torch.optim.Optimizer)
+    train = dict(clip=None, sched=None, accum=1)
+    ref_train = dict(train)
+    if case == "clip":
+        ref_train["clip"] = "torch"
+        train["clip"] = "opt"
+    if case == "sched":
+        ref_train["sched"] = get_linear_schedule_with_warmup(ref_opt, 5, 20)
+        train["sched"] = get_linear_schedule_with_warmup(opt, 5, 20)
+    if case == "accum":
+        ref_train["accum"] = train["accum"] = 4
+    la = _train(ref, ref_opt, 20, **ref_train)
+    lb = _train(model, opt, 20, **train)
+    ts.unwrap(model)
+    assert _max_diff(ref, model) < 1e-6
+    assert max(abs(a.item() - b.item()) for a, b in zip(la, lb)) < 1e-5
+    assert ts.engine_of(model) is None
+
+
+def test_paging_and_activation_offload_bit_exact_with_device_optimizer():
+    """Frozen paged blocks + offloaded activations, trainable head and norms on the device: losses and
+    gradients equal bit for bit over 5 steps."""
+    ref = _llama(dtype=torch.bfloat16)
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        for n, p in m.named_parameters():
+            p.requires_grad_("layers" not in n)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = ts.wrap(model, opt, **{**FORCE, "offload_optimizer": False})
+    eng = ts.engine_of(model)
+    assert eng.plan.paged_blocks == [0, 1, 2] and eng.pager is not None
+    for s in range(5):
+        ids = _batch(s)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), n
+        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    st = model.trainstream_stats()
+    assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+    ts.unwrap(model)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_resume_is_exact():
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    full = _llama()
+    ref = copy.deepcopy(full)
+    full, full_opt = ts.wrap(full, torch.optim.AdamW(full.parameters(), **kw), **FORCE)
+    _train(full, full_opt, 20)
+    ts.unwrap(full)
+
+    a = copy.deepcopy(ref)
+    a, a_opt = ts.wrap(a, torch.optim.AdamW(a.parameters(), **kw), **FORCE)
+    _train(a, a_opt, 10)
+    sd = copy.deepcopy(a_opt.state_dict())
+    ts.unwrap(a)
+    b = copy.deepcopy(a)
+    b_opt = torch.optim.AdamW(b.parameters(), **kw)
+    b, b_opt = ts.wrap(b, b_opt, **FORCE)
+    b_opt.load_state_dict(sd)
+    _train(b, b_opt, 10, start=10)
+    ts.unwrap(b)
+    for p, q in zip(full.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_wrap_twice_and_unwrap_unwrapped_raise():
+    model = _llama()
+    ts.wrap(model, None, **FORCE)
+    with pytest.raises(RuntimeError, match="already wrapped"):
+        ts.wrap(model, None, **FORCE)
+    ts.unwrap(model)
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        ts.unwrap(model)
+
+
+def test_budget_below_minimum_is_a_clear_error():
+    model = _llama()
+    with pytest.raises(ts.BudgetError, match="below the minimum"):
+        ts.wrap(model, torch.optim.AdamW(model.parameters()), vram_budget="1MiB", host_arena=None)
+    assert ts.engine_of(model) is None
+
+
+def test_plan_prints_a_table():
+    pl = ts.plan(_llama(), (2, 16), vram_budget="64GiB", page_weights=True, offload_activations=True)
+    text = str(pl)
+    assert "predicted peak" in text and text.count("| host |") == 6  # weights and activations of 3 blocks

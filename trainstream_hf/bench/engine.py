@@ -1,0 +1,83 @@
+"""The trainstream side of the engine benchmark: wrap() under a VRAM budget, timed like every peer.
+
+``python -m trainstream_hf.bench engine`` runs these rows beside the peers of :mod:`peers` in one process
+(same model shapes, batch, harness), so every ratio in its table is against a peer measured in the same run.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import trainstream_hf as ts
+from trainstream_hf.bench.harness import measure_training
+from trainstream_hf.bench.models import build_model
+from trainstream_hf.bench.peers import LORA, _batch, _common, _plain_step
+
+__all__ = ["trainstream_lora", "trainstream_full", "JOBS"]
+
+
+def _engine_fields(model, fields: dict) -> None:
+    eng = ts.engine_of(model)
+    pl = eng.plan
+    fields.update(predicted_peak=pl.predicted_peak(), paged_blocks=len(pl.paged_blocks),
+                  offloaded_activation_blocks=len(pl.offloaded_activation_blocks), grads=pl.grads,
+                  offloaded_optimizer_params=pl.offload_numel, plan_pcie_bytes=pl.pcie_bytes(),
+                  plan=str(pl).splitlines()[0])
+
+
+def _with_stats(model, step, fields: dict):
+    """The step, recording the engine's figures of the last completed step into the row."""
+    def run():
+        step()
+        fields["engine_stats"] = model.trainstream_stats()
+    return run
+
+
+def trainstream_lora(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
+                     seq: int = 2048, warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
+                     **options) -> dict:
+    """bf16 base + PEFT LoRA (the peers' settings), wrapped with ``vram_budget``; the loop is the peers'."""
+    device, fields = _common("trainstream_lora", shape, False, batch, seq, device)
+    name = f"trainstream bf16 + LoRA r16, budget {vram_budget / 2**30:.0f} GiB" if vram_budget else "trainstream"
+
+    def setup():
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(build_model(shape, torch.bfloat16, device, seed), LoraConfig(**LORA))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                                fused=device.type == "cuda")
+        model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq), **options)
+        _engine_fields(model, fields)
+        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, device, seed)), fields), \
+            lambda: ts.unwrap(model)
+
+    return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats, vram_budget=vram_budget,
+                            tokens=batch * seq, fields=fields)
+
+
+def trainstream_full(shape: str = "llama3.2-3b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
+                     seq: int = 2048, warmup: int = 2, repeats: int = 5, device=None, seed: int = 0,
+                     **options) -> dict:
+    """Full fine-tune: bf16 device weights, fp32 masters + AdamW moments in host RAM, CPU AdamW."""
+    device, fields = _common("trainstream_full", shape, False, batch, seq, device)
+    name = f"trainstream full FT, budget {vram_budget / 2**30:.0f} GiB" if vram_budget else "trainstream full FT"
+
+    def setup():
+        model = build_model(shape, torch.bfloat16, device, seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq),
+                             offload_optimizer=True, **options)
+        _engine_fields(model, fields)
+        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, device, seed)), fields), \
+            lambda: ts.unwrap(model)
+
+    return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats, vram_budget=vram_budget,
+                            tokens=batch * seq, fields=fields)
+
+
+# key -> (group, function(shape, full_shape, budget, kw)) for the engine suite
+JOBS = {
+    "ts_lora": ("lora", lambda shape, full_shape, budget, kw: trainstream_lora(shape, budget, **kw)),
+    "ts_full": ("full", lambda shape, full_shape, budget, kw: trainstream_full(full_shape, budget, **kw)),
+}

@@ -1,0 +1,123 @@
+"""How a training configuration is timed: the same harness for trainstream and for every peer.
+
+:func:`measure_training` runs ``warmup`` untimed steps, resets the CUDA peak-memory statistics, then
+reports the median of ``repeats`` steps (CUDA events on CUDA, ``perf_counter`` on CPU) with
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over those timed steps, in bytes. A CUDA
+out-of-memory is a result (``status: "oom"``), never a crash; memory is released before it returns.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Callable, Optional
+
+import torch
+
+from trainstream_hf.bench.common import median_time
+
+Step = Callable[[], None]
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def vram_cap(budget: Optional[int], device: torch.device):
+    """Caps the caching allocator at ``budget`` bytes on ``device`` (None: no cap); restores 1.0 after.
+
+    ``set_per_process_memory_fraction`` limits what the allocator may reserve; the CUDA context, cuBLAS
+    workspaces and NCCL buffers outside the allocator are not counted, so a real GPU of that size has a
+    little less room than the cap suggests.
+    """
+    if budget is None or device.type != "cuda":
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def free_memory() -> None:
+    """Drops unreachable objects and returns cached CUDA blocks to the driver (between peers)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    # Some libraries re-raise allocation failures as plain RuntimeErrors (cuBLAS, NCCL, bitsandbytes).
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and ("out of memory" in str(err).lower() or "ALLOC_FAILED" in str(err)))
+
+
+def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callable[[], None]]]], *,
+                     device: torch.device, warmup: int = 3, repeats: int = 10,
+                     vram_budget: Optional[int] = None, build: Optional[Callable[[], object]] = None,
+                     tokens: Optional[int] = None, fields: Optional[dict] = None) -> dict:
+    """Times one training configuration: optional uncapped ``build``, then ``setup`` and steps under the cap.
+
+    Args:
+        name: the row's ``name``.
+        setup: called under the VRAM cap; returns ``(step, close)``: ``step()`` runs one full training
+            step, ``close()`` (or None) releases what the peer holds outside Python references.
+        device: where it runs (CUDA: events + peak memory; CPU: perf_counter, no memory figures).
+        warmup: untimed steps first (first-step allocations, JIT builds, optimizer state).
+        repeats: timed steps; the median is reported.
+        vram_budget: bytes the allocator may reserve (None: the whole GPU), see :func:`vram_cap`.
+        build: run before the cap is set (for builds a small GPU would do from disk, e.g. quantization).
+        tokens: tokens per step, for ``tokens_per_s``.
+        fields: extra fields for the row (peer, shape, ...); read after ``setup``, which may add to it.
+
+    Returns:
+        ``{"name", **fields, "step_s", "tokens_per_s", "max_allocated", "max_reserved", "vram_budget",
+        "status", "setup_s"}``; ``status`` is ``"ok"`` or ``"oom"`` (which adds ``error`` and reports the
+        peak reached so far).
+    """
+    out = {"step_s": None, "tokens_per_s": None, "max_allocated": None, "max_reserved": None,
+           "vram_budget": vram_budget, "status": "ok"}
+    cuda = device.type == "cuda"
+    step = close = None
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        if build is not None:
+            build()
+        free_memory()
+        with vram_cap(vram_budget, device):
+            step, close = setup()
+            out["setup_s"] = time.perf_counter() - t0
+            for _ in range(warmup):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            out["step_s"] = median_time(step, repeats=repeats, warmup=0, cuda=cuda)
+            out["tokens_per_s"] = tokens / out["step_s"] if tokens else None
+    except Exception as err:  # noqa: BLE001 - an OOM is a result; anything else propagates
+        if not is_oom(err):
+            raise
+        out["status"] = "oom"
+        out["error"] = str(err).splitlines()[0][:300]
+    finally:
+        if cuda:
+            out["max_allocated"] = torch.cuda.max_memory_allocated(device)
+            out["max_reserved"] = torch.cuda.max_memory_reserved(device)
+        if close is not None:
+            close()
+        step = close = None
+        free_memory()
+    return {"name": name, **(fields or {}), **out}
+
+
+def not_run(name: str, reason: str, **fields) -> dict:
+    """A row for a peer that could not run here, with the reason."""
+    return {"name": name, **fields, "step_s": None, "tokens_per_s": None, "max_allocated": None,
+            "max_reserved": None, "status": f"not run: {reason}"}

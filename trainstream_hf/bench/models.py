@@ -1,0 +1,86 @@
+"""Random-weight causal LMs of published shapes, built straight on the target device, and random batches.
+
+The shape table is the only per-model knowledge: name -> transformers config kwargs (``model_type`` picks
+the config class). Weights are random; the benchmarks measure time and memory, not loss.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+SHAPES: dict[str, dict] = {
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # meta-llama/Llama-3.2-3B (its llama3 RoPE scaling is left out: it changes no shape or cost)
+    "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                        num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # Qwen/Qwen2.5-32B (q/k/v carry biases in Qwen2)
+    "qwen2.5-32b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, rope_theta=1000000.0,
+                        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Small enough for CPU tests; GQA (4 heads, 2 kv heads) like the real ones.
+    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+
+def model_config(shape: str) -> PretrainedConfig:
+    """The transformers config of a shape from :data:`SHAPES` (training settings: no KV cache).
+
+    Args:
+        shape: a key of :data:`SHAPES`.
+
+    Returns:
+        A fresh config object (safe to modify).
+    """
+    if shape not in SHAPES:
+        raise KeyError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    kwargs = dict(SHAPES[shape])
+    return AutoConfig.for_model(kwargs.pop("model_type"), use_cache=False, **kwargs)
+
+
+def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                seed: int = 0) -> PreTrainedModel:
+    """Builds a random-weight causal LM of ``shape`` directly on ``device``, in training mode.
+
+    Parameters are allocated and initialised on ``device`` in ``dtype`` (``from_config`` sets the default
+    dtype while it builds; the ``torch.device`` context places every tensor), so an 8B model never passes
+    through host memory or through fp32.
+
+    Args:
+        shape: a key of :data:`SHAPES`.
+        dtype: parameter dtype (bf16 for frozen bases, fp32 for fp32-master full fine-tuning).
+        device: where to build; ``"meta"`` builds without memory (for counting parameters).
+        seed: seeds torch's generators before initialisation, so two builds are equal.
+
+    Returns:
+        The model, ``attn_implementation="sdpa"``, ``use_cache=False``, in ``train()`` mode.
+    """
+    config = model_config(shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.train()
+
+
+def make_batch(batch: int, seq: int, vocab: int, device: str | torch.device = "cuda",
+               seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of uniformly random tokens; labels equal the inputs (the model shifts them).
+
+    Args:
+        batch: sequences per batch.
+        seq: tokens per sequence.
+        vocab: vocabulary size (tokens are drawn from ``[0, vocab)``).
+        device: where the tensors live.
+        seed: seed of the (CPU) generator, so the batch does not depend on the device.
+
+    Returns:
+        ``{"input_ids": LongTensor[batch, seq], "labels": LongTensor[batch, seq]}``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids.clone()}

@@ -1,0 +1,168 @@
+"""Activation offload: tensors autograd saves inside chosen blocks wait for backward in the host arena.
+
+In the forward pass, a saved tensor of a chosen block that is on the compute device, at least
+``min_bytes`` large, not a parameter (nor a view of one) and non-overlapping-and-dense is copied
+device->host into an arena tensor on the D2H stream. The stream records the source (``record_stream``), so
+its device memory goes back to the caching allocator once autograd drops it and the copy's event has
+passed. Everything else stays on the device untouched.
+
+In the backward pass the copies come back one block ahead: when block ``i``'s backward begins, block
+``i``'s tensors (if not already on their way) and block ``i-1``'s are copied host->device on the H2D stream;
+unpack makes the compute stream wait for the copy's event (no host sync).
+
+Bit-exact: dtype, shape and strides are kept exactly (the device buffer is made with the original strides),
+and so is the address's alignment modulo 64 bytes (kernels may choose code paths by alignment). A tensor
+saved several times (the normed hidden state feeds q, k and v) is copied once.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.hooks import BlockHooks, BlockListener, is_dense
+from trainstream_hf.engine.streams import Transfer, TransferStreams
+
+__all__ = ["ActivationOffloader"]
+
+# Alignment (bytes) of the original address that the host and device copies reproduce. 64 is the CPU
+# allocator's alignment; device allocations are 512-aligned, the arena 256-aligned.
+_ALIGN = 64
+
+
+class _Offloaded:
+    """One offloaded tensor: its host copy, the D2H copy writing it, and (in backward) the device copy."""
+
+    __slots__ = ("host", "d2h", "size", "stride", "pad", "h2d", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, d2h: Transfer, size, stride, pad: int):
+        self.host = host
+        self.d2h = d2h
+        self.size = size
+        self.stride = stride
+        self.pad = pad
+        self.h2d: Transfer | None = None
+
+
+class ActivationOffloader(BlockListener):
+    """Moves large saved activations of the chosen blocks to host memory between forward and backward.
+
+    Args:
+        hooks: the model's :class:`BlockHooks` (shared with the weight pager).
+        streams: transfer streams of the compute device (``cpu`` copies synchronously).
+        arena: host arena that receives the copies.
+        blocks: indices of the blocks whose activations are offloaded (default: all).
+        min_bytes: smaller saved tensors stay on the device (copy overhead beats the memory saved).
+    """
+
+    pack_priority = 50
+
+    def __init__(self, hooks: BlockHooks, streams: TransferStreams, arena: HostArena, *,
+                 blocks: Iterable[int] | None = None, min_bytes: int = 1 << 20):
+        if min_bytes < 0:
+            raise ValueError(f"ActivationOffloader: min_bytes must be >= 0, got {min_bytes}")
+        self.hooks = hooks
+        self.streams = streams
+        self.arena = arena
+        self.device = streams.device
+        self.min_bytes = int(min_bytes)
+        self._order = sorted(set(range(len(hooks)) if blocks is None else blocks))
+        if any(not 0 <= i < len(hooks) for i in self._order):
+            raise ValueError(f"ActivationOffloader: block indices must be in [0, {len(hooks)}), got {self._order}")
+        self._chosen = set(self._order)
+        self._prev = {j: (self._order[k - 1] if k else None) for k, j in enumerate(self._order)}
+        self._records: dict[int, list[weakref.ref]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, _Offloaded]] = {}
+        self._param_ptrs: tuple[int, set[int]] = (-1, set())
+        self._stats = {"offloaded": 0, "d2h_bytes": 0, "h2d_bytes": 0, "deduplicated": 0, "kept_small": 0,
+                       "kept_layout": 0}
+        self.closed = False
+        hooks.add(self)
+
+    def stats(self) -> dict:
+        """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, and
+        tensors kept on the device for being small or not dense."""
+        return dict(self._stats)
+
+    def close(self) -> None:
+        """Stops offloading (detaches from the hooks). Tensors already offloaded still come back."""
+        self.hooks.discard(self)
+        self.closed = True
+
+    # -- listener -------------------------------------------------------------------------------
+    def step_start(self) -> None:
+        self._records = {}
+        self._seen = {}
+
+    def forward_start(self, i: int) -> None:
+        if i in self._chosen:
+            block = self.hooks.layers[i]
+            ptrs = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
+            ptrs.discard(0)
+            self._param_ptrs = (i, ptrs)
+
+    def backward_start(self, i: int) -> None:
+        if i not in self._chosen:
+            return
+        # Block i's tensors are needed now (normally already on their way); block i-1's are needed next.
+        for j in (i, self._prev[i]):
+            if j is not None:
+                for ref in self._records.get(j, ()):
+                    rec = ref()
+                    if rec is not None and rec.h2d is None:
+                        self._fetch(rec)
+
+    def pack(self, i: int, t: torch.Tensor):
+        if i not in self._chosen or t.device != self.device:
+            return None
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or nbytes == 0:
+            self._stats["kept_small"] += 1
+            return None
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(t._base, nn.Parameter):
+            return None
+        if self._param_ptrs[0] == i and t.untyped_storage().data_ptr() in self._param_ptrs[1]:
+            return None  # aliases a parameter or buffer (e.g. a .detach() view): copying saves nothing
+        if not is_dense(t):
+            self._stats["kept_layout"] += 1
+            return None
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            rec = seen[2]
+            self._stats["deduplicated"] += 1
+        else:
+            pad = (t.data_ptr() % _ALIGN) // t.element_size()
+            flat = self.arena.empty((t.numel() + pad,), t.dtype)
+            host = flat.as_strided(t.size(), t.stride(), pad)
+            # detach: the copy must not join the graph. to_host records t on the D2H stream, so its device
+            # memory is reused only after the copy has read it.
+            rec = _Offloaded(host, self.streams.to_host(t.detach(), host), t.size(), t.stride(), pad)
+            self._seen[id(t)] = (weakref.ref(t), t._version, rec)
+            self._stats["offloaded"] += 1
+            self._stats["d2h_bytes"] += nbytes
+        records = self._records.setdefault(i, [])
+        if not any(r() is rec for r in records[-8:]):
+            records.append(weakref.ref(rec))
+        return rec
+
+    def unpack(self, rec: _Offloaded) -> torch.Tensor:
+        if rec.h2d is None:
+            self._fetch(rec)
+        return rec.h2d.wait()
+
+    def _fetch(self, rec: _Offloaded) -> None:
+        numel = rec.host.numel() + rec.pad
+        if self.streams.is_cuda:
+            # Allocated on the H2D stream, which writes it; Transfer.wait() records it on the compute stream
+            # that reads (and frees) it.
+            with torch.cuda.stream(self.streams.h2d):
+                flat = torch.empty(numel, dtype=rec.host.dtype, device=self.device)
+        else:
+            flat = torch.empty(numel, dtype=rec.host.dtype, device=self.device)
+        dev = flat.as_strided(rec.size, rec.stride, rec.pad)
+        # after=<D2H event>: the host copy must be complete before it is read back.
+        rec.h2d = self.streams.to_device(rec.host, out=dev, after=rec.d2h.event)
+        self._stats["h2d_bytes"] += rec.host.numel() * rec.host.element_size()

@@ -1,0 +1,136 @@
+"""The model's repeated blocks: the unit that weights are paged and activations offloaded by.
+
+A block is one of the model's repeated layers (a decoder layer). They are found generically, with no
+function per model: among the model's ``nn.ModuleList`` s, the lists whose children are all block classes
+(transformers' ``GradientCheckpointingLayer`` subclasses, or classes named in a ``_no_split_modules``),
+the one holding the most parameters wins. Parameters, not length, decide, so that a vision-language
+model's language stack beats its (longer or shorter) vision tower. ``TABLE`` names the list directly for
+the few model types where that rule is wrong. A model without such a list (a plain ``nn.Module`` stack)
+falls back to the largest list of two or more same-class modules.
+
+PEFT wrappers need no special case: ``PeftModel.named_modules()`` reaches the wrapped model, so the list
+is found under its prefixed name (``base_model.model.model.layers``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch import nn
+
+__all__ = ["Blocks", "find_blocks", "TABLE"]
+
+# model_type -> the block list's qualified name, matched as a suffix of the module name (so it also holds
+# under PEFT's ``base_model.model.`` prefix). Only for models where the generic rule picks wrongly.
+TABLE: dict[str, str] = {
+    # Vision-language models whose vision tower outweighs the language model in their default configs
+    # (surveyed over transformers 5.24's causal-LM and image-text-to-text model types); a fine-tune pages
+    # the language stack.
+    "blip-2": "language_model.model.decoder.layers",
+    "instructblip": "language_model.model.decoder.layers",
+    "instructblipvideo": "language_model.model.decoder.layers",
+    "git": "git.encoder.layer",
+    "glm_ocr": "language_model.layers",
+    "paddleocr_vl": "language_model.layers",
+}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The repeated layers of a model, in forward order.
+
+    Attributes:
+        model: the module they were found in (the one passed to :func:`find_blocks`).
+        name: qualified name of their ``nn.ModuleList`` within ``model``.
+        layers: the blocks; ``layers[i]`` runs before ``layers[i + 1]`` in the forward pass.
+    """
+
+    model: nn.Module
+    name: str
+    layers: tuple[nn.Module, ...]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        return self.layers[i]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.layers)
+
+    def __repr__(self) -> str:
+        kinds = sorted({type(m).__name__ for m in self.layers})
+        return f"Blocks({self.name!r}, {len(self.layers)} x {'/'.join(kinds)})"
+
+
+def _model_type(model: nn.Module) -> str | None:
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if isinstance(model_type, str):
+            return model_type
+    return None
+
+
+def _block_class_names(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for m in model.modules():
+        no_split = getattr(m, "_no_split_modules", None)
+        if no_split:
+            names.update(no_split)
+    return names
+
+
+def _is_block_class(module: nn.Module, names: set[str]) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers is optional for plain torch models
+        GradientCheckpointingLayer = ()
+    return isinstance(module, GradientCheckpointingLayer) or type(module).__name__ in names
+
+
+def _n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> Blocks:
+    """Finds the model's repeated blocks.
+
+    Args:
+        model: a transformers model, a PEFT wrapper of one, or any ``nn.Module`` holding its layers in
+            an ``nn.ModuleList``.
+        path: qualified name of the block list, overriding the search (and ``TABLE``).
+
+    Returns:
+        The :class:`Blocks`, in forward order.
+
+    Raises:
+        ValueError: the model has no repeated blocks (or ``path`` does not name a non-empty ModuleList).
+    """
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if path is None:
+        suffix = TABLE.get(_model_type(model) or "")
+        if suffix is not None:
+            hits = [(n, m) for n, m in lists if n == suffix or n.endswith("." + suffix)]
+            if len(hits) == 1:
+                path = hits[0][0]
+    if path is not None:
+        found = dict(lists).get(path)
+        if found is None:
+            raise ValueError(f"find_blocks: {path!r} is not a non-empty nn.ModuleList of "
+                             f"{type(model).__name__}; ModuleLists there: {[n for n, _ in lists] or 'none'}")
+        return Blocks(model, path, tuple(found))
+
+    names = _block_class_names(model)
+    candidates = [(n, m) for n, m in lists if all(_is_block_class(c, names) for c in m)]
+    if not candidates:
+        # Not a transformers model (or one with unusual classes): any list of two or more same-class
+        # modules is a repeated stack.
+        candidates = [(n, m) for n, m in lists if len(m) >= 2 and len({type(c) for c in m}) == 1]
+    if not candidates:
+        raise ValueError(
+            f"find_blocks: {type(model).__name__} has no repeated blocks: no nn.ModuleList of "
+            "GradientCheckpointingLayer / _no_split_modules classes, nor of two or more same-class modules. "
+            "Pass path='name.of.the.ModuleList' (or add the model type to trainstream_hf.engine.blocks.TABLE)")
+    name, found = max(candidates, key=lambda nm: (_n_params(nm[1]), len(nm[1])))
+    return Blocks(model, name, tuple(found))

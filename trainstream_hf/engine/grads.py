@@ -1,0 +1,211 @@
+"""Gradient offload: the host copies of the gradients of offloaded parameters.
+
+Two modes, chosen per optimizer (``OffloadedAdamW(grads=...)``):
+
+* ``"device"``: ``p.grad`` stays on the device as autograd leaves it, so user code that reads or clips it
+  (``torch.nn.utils.clip_grad_norm_``) works unchanged. :meth:`HostGradients.collect` copies every gradient
+  device->host at the start of ``optimizer.step()``, all copies issued before the first is waited on.
+* ``"host"``: a post-accumulate-grad hook copies each gradient device->host as soon as autograd has
+  accumulated it and sets ``p.grad = None``, so the device never holds more than the gradients in flight.
+  The host buffer is fp32; gradients of later micro-batches of the same step are added to it on the host
+  (gradient accumulation). A later gradient cannot be added until its copy is done, and waiting inside the
+  backward hook would stall the host thread that launches backward kernels, so it is copied into a small
+  ring of staging buffers and added when its ring slot comes round again (by then the copy has long
+  finished) or when the step needs the sums. Folding is first-in first-out, so every parameter's sum is
+  taken in the order autograd produced the terms, as torch's in-place accumulation does.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.streams import Transfer, TransferStreams
+
+__all__ = ["HostGradients", "GRAD_MODES"]
+
+GRAD_MODES = ("device", "host")
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _GradBuffer:
+    """The host gradient of one parameter: ``host`` holds it once ``transfer`` (if any) is done."""
+
+    __slots__ = ("host", "transfer", "filled")
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.transfer: Transfer | None = None
+        self.filled = False  # host holds (or will, once transfer is done) this step's gradient
+
+    def wait(self) -> None:
+        if self.transfer is not None:
+            self.transfer.synchronize()
+            self.transfer = None
+
+
+class HostGradients:
+    """Host gradient buffers of the offloaded parameters and the copies that fill them.
+
+    Args:
+        params: the offloaded parameters.
+        arena: where the host buffers live (pinned when CUDA, so the copies are asynchronous).
+        streams: the device's transfer streams; copies run on the D2H stream.
+        mode: ``"device"`` or ``"host"`` (see the module docstring).
+        staging_slots: host mode only: size of the staging ring. The backward hook blocks the host only
+            when it reuses a slot whose copy, issued ``staging_slots`` hooks earlier, is still running.
+        shapes: the true shape of parameters whose ``data`` may be an empty placeholder (paged weights);
+            default ``p.shape``.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], *, arena: HostArena, streams: TransferStreams,
+                 mode: str = "device", staging_slots: int = 4,
+                 shapes: Mapping[nn.Parameter, torch.Size] | None = None):
+        if mode not in GRAD_MODES:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got {mode!r}")
+        if staging_slots < 1:
+            raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
+        self.mode = mode
+        self.arena = arena
+        self.streams = streams
+        self.d2h_bytes = 0
+        self._params = list(params)
+        self._shapes = {p: torch.Size(shapes[p]) if shapes and p in shapes else p.shape for p in self._params}
+        # device mode copies the gradient as it is (the kernel reads bf16 directly); host mode sums in fp32
+        self._bufs = {p: _GradBuffer(arena.empty([self._shapes[p].numel()],
+                                                 p.dtype if mode == "device" else torch.float32))
+                      for p in self._params}
+        self._ring_bytes = max((self._shapes[p].numel() * p.element_size() for p in self._params), default=0)
+        self._ring: list[torch.Tensor] = []  # allocated on first use: not every run accumulates
+        self._ring_size = staging_slots
+        self._pending: list[tuple[_GradBuffer, torch.Tensor, Transfer] | None] = [None] * staging_slots
+        self._next = 0
+        self._hooks = []
+        if mode == "host":
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    @staticmethod
+    def host_bytes_needed(numels: Mapping[nn.Parameter, int], mode: str) -> list[int]:
+        """Byte counts of the buffers the constructor allocates (for ``HostArena.reserve_for``)."""
+        return [n * (p.element_size() if mode == "device" else 4) for p, n in numels.items()]
+
+    # -- validation -----------------------------------------------------------------------------
+    def check(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Raises ValueError when ``grad`` cannot be offloaded as the gradient of ``p``."""
+        if grad.is_sparse:
+            raise ValueError("OffloadedAdamW does not support sparse gradients (neither does torch's AdamW)")
+        if grad.dtype not in _SUPPORTED_DTYPES or grad.shape != self._shapes[p]:
+            raise ValueError(f"gradient of an offloaded parameter must be float32, bfloat16 or float16 with the "
+                             f"parameter's shape {tuple(self._shapes[p])}, got {grad.dtype} {tuple(grad.shape)}")
+
+    def check_device_grads(self) -> None:
+        """Validates every device gradient of an offloaded parameter (called before anything mutates)."""
+        for p in self._params:
+            if p.grad is not None:
+                self.check(p, p.grad)
+
+    # -- filling --------------------------------------------------------------------------------
+    def _copy(self, grad: torch.Tensor, out: torch.Tensor) -> Transfer:
+        self.d2h_bytes += grad.numel() * grad.element_size()
+        return self.streams.to_host(grad.detach().reshape(-1), out)
+
+    def collect(self) -> None:
+        """Issues the device->host copies of every device gradient (step start).
+
+        Device mode: ``p.grad`` is copied and left in place. Host mode: a gradient that did not come
+        through the hook (assigned by hand, or produced while hooks were off) is added to the host sum and
+        freed, as the hook would have done.
+        """
+        for p in self._params:
+            if p.grad is None:
+                continue
+            if self.mode == "device":
+                buf = self._bufs[p]
+                buf.transfer = self._copy(p.grad, buf.host)
+                buf.filled = True
+            else:
+                self._on_grad(p)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        self.check(p, grad)
+        buf = self._bufs[p]
+        if not buf.filled and grad.dtype == torch.float32:
+            # first term of the sum: copy straight into the accumulator, no staging
+            buf.transfer = self._copy(grad, buf.host)
+            buf.filled = True
+        else:
+            i = self._next
+            self._next = (i + 1) % self._ring_size
+            self._fold(i)
+            if not self._ring:
+                self._ring = [self.arena.empty([self._ring_bytes], torch.uint8) for _ in range(self._ring_size)]
+            stage = self._ring[i][: grad.numel() * grad.element_size()].view(grad.dtype)
+            self._pending[i] = (buf, stage, self._copy(grad, stage))
+        # the copy has recorded grad's memory on the D2H stream, so the allocator keeps it until it is done
+        p.grad = None
+
+    def _fold(self, i: int) -> None:
+        entry = self._pending[i]
+        if entry is None:
+            return
+        buf, stage, transfer = entry
+        transfer.synchronize()
+        buf.wait()
+        if buf.filled:
+            buf.host.add_(stage)
+        else:
+            buf.host.copy_(stage)
+            buf.filled = True
+        self._pending[i] = None
+
+    def _drain(self) -> None:
+        # oldest first, so each parameter's terms are summed in the order autograd produced them
+        for k in range(self._ring_size):
+            self._fold((self._next + k) % self._ring_size)
+
+    # -- reading --------------------------------------------------------------------------------
+    def take(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The host gradient of ``p`` (flat, contiguous), waiting for its copies; None if it has none.
+
+        The caller may modify it in place: it is consumed by the step.
+        """
+        self._drain()
+        buf = self._bufs[p]
+        if not buf.filled:
+            return None
+        buf.wait()
+        return buf.host
+
+    def host_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every host gradient that holds a value, after all copies are done (for norms and clipping)."""
+        if self.mode == "device":
+            return {}
+        self.collect()
+        return {p: g for p in self._params if (g := self.take(p)) is not None}
+
+    # -- life cycle -----------------------------------------------------------------------------
+    def consume(self) -> None:
+        """Marks every host gradient empty (after the step used them, or on ``zero_grad``).
+
+        The D2H stream is in order, so a later copy into a buffer cannot overtake one still in flight;
+        only host reads need a wait, and nothing reads an empty buffer.
+        """
+        for buf in self._bufs.values():
+            buf.filled = False
+            buf.transfer = None
+        self._pending = [None] * self._ring_size
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def nbytes(self) -> int:
+        """Host bytes held by the gradient buffers and the staging ring."""
+        return (sum(b.host.numel() * b.host.element_size() for b in self._bufs.values())
+                + len(self._ring) * self._ring_bytes)

@@ -1,0 +1,447 @@
+"""OffloadedAdamW: the user's Adam/AdamW, with the state of chosen parameters kept and stepped on the host.
+
+For each offloaded parameter the fp32 master weight and both moments live in the host arena and are updated
+on the CPU by the native SIMD kernel (:func:`trainstream_hf.ops.adamw_step_`); the device keeps only the
+parameter in its own dtype. The other parameters (LoRA adapters, norms the plan keeps resident) are stepped
+on the device by an ordinary torch optimizer with the same hyper-parameters.
+
+One step on CUDA (the device work of the next forward only waits where it must)::
+
+    host  | issue all grad D2H | device opt step (queued) | wait g0, adam p0, issue H2D p0 | wait g1, adam p1, ...
+    D2H   | g0 g1 g2 ...
+    H2D   |                                                   p0 ........          p1 ........
+    main  | ... backward | device opt kernels | (waits for H2D stream) next forward
+
+The object *is* a ``torch.optim.Optimizer`` sharing the user's param-group dicts, so LR schedulers,
+``state_dict()`` consumers and Trainer code treat it as the optimizer it wraps.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from trainstream_hf import ops
+from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.grads import GRAD_MODES, HostGradients
+from trainstream_hf.engine.streams import Transfer, TransferStreams
+
+__all__ = ["OffloadedAdamW"]
+
+_SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Slot:
+    """Host state of one offloaded parameter (all buffers flat, contiguous, in the arena)."""
+
+    __slots__ = ("param", "shape", "group", "master", "exp_avg", "exp_avg_sq", "step", "out", "sink", "last_h2d")
+
+    def __init__(self, param: nn.Parameter, group: int, arena: HostArena, sink: torch.Tensor | None):
+        # a paged parameter's data may be an empty placeholder: its sink has the true shape
+        self.shape = sink.shape if sink is not None else param.shape
+        n = self.shape.numel()
+        self.param = param
+        self.group = group
+        self.master = arena.empty([n], torch.float32)
+        self.exp_avg = arena.empty([n], torch.float32)
+        self.exp_avg_sq = arena.empty([n], torch.float32)
+        self.step = torch.tensor(0.0, dtype=torch.float32)  # as torch's non-fused, non-capturable Adam keeps it
+        self.sink = sink
+        # the H2D source in the device dtype; an fp32 parameter is copied straight from the master
+        self.out = arena.empty([n], param.dtype) if sink is None and param.dtype != torch.float32 else None
+        self.last_h2d: Transfer | None = None  # the copy that may still read master / out
+        self.reset()
+
+    def reset(self) -> None:
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.step.fill_(0.0)
+        self.read_param()
+
+    def read_param(self) -> None:
+        """master <- the parameter's current value (from its sink when a pager owns it)."""
+        self.wait_h2d()
+        src = self.sink if self.sink is not None else self.param.detach()
+        self.master.copy_(src.reshape(-1))
+
+    def wait_h2d(self) -> None:
+        if self.last_h2d is not None:
+            self.last_h2d.synchronize()
+            self.last_h2d = None
+
+    def state_view(self) -> dict[str, torch.Tensor]:
+        """The entry torch.optim.AdamW would have in ``state`` (views, not copies), plus the master."""
+        shape = self.shape
+        st = {"step": self.step, "exp_avg": self.exp_avg.view(shape), "exp_avg_sq": self.exp_avg_sq.view(shape)}
+        if self.param.dtype != torch.float32:
+            st["master"] = self.master.view(shape)
+        return st
+
+
+def _hyper(optimizer_cls: type, group: dict) -> dict:
+    """The group's hyper-parameters as the CPU kernel takes them, validated."""
+    for flag in ("amsgrad", "capturable", "differentiable"):
+        if group.get(flag, False):
+            raise ValueError(f"OffloadedAdamW supports Adam/AdamW with {flag}=False only, got {flag}=True")
+    beta1, beta2 = (float(b) for b in group["betas"])
+    decoupled = optimizer_cls is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+    return {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]), "maximize": bool(group.get("maximize", False)),
+            "decoupled": decoupled}
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """Adam/AdamW whose offloaded parameters keep fp32 master weights and moments in host memory.
+
+    Args:
+        optimizer: the user's ``torch.optim.AdamW`` or ``torch.optim.Adam`` (Adam's ``weight_decay`` is an
+            L2 term added to the gradient, as torch does; ``decoupled_weight_decay=True`` makes it AdamW).
+            Its param-group dicts are shared, not copied; use this object, not ``optimizer``, from now on.
+        offload: parameters to update on the host; every other parameter of ``optimizer`` is updated on
+            its device by an internal optimizer of the same class and settings (foreach/fused included).
+        arena: host arena for master weights, moments and gradient buffers.
+        streams: transfer streams of the compute device (``cpu`` runs everything synchronously).
+        grads: ``"device"`` (``p.grad`` stays on the device, copied at step time) or ``"host"`` (moved to
+            the host during backward, freeing device memory; clip with :meth:`clip_grad_norm_`).
+        param_sink: for parameters paged from host by the weight pager: a host tensor of the parameter's
+            dtype and numel that receives the updated weight instead of ``p.data``, which is never touched.
+        grad_staging_slots: host mode: staging ring size for accumulated gradients (see ``grads.py``).
+
+    Raises:
+        TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
+        ValueError: amsgrad, capturable or differentiable is set; an offloaded parameter is not in
+            ``optimizer``, does not require grad, is not floating point, or lives on another device; a sink
+            does not match its parameter.
+
+    A step validates every input before it changes anything. If the native kernel itself fails midway (a
+    bug, not bad input), the parameters before the failing one are already updated; the error says which.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, offload: Iterable[nn.Parameter], *, arena: HostArena,
+                 streams: TransferStreams, grads: str = "device",
+                 param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4):
+        if type(optimizer) not in _SUPPORTED:
+            raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
+                            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        if grads not in GRAD_MODES:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got {grads!r}")
+        for g in optimizer.param_groups:
+            _hyper(type(optimizer), g)
+        self._cls = type(optimizer)
+        self._ready = False
+        # same dicts, so a scheduler writing group["lr"] here is seen by both; torch's add_param_group keeps
+        # the dict objects and only re-lists group["params"] with the same tensors
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+
+        params = [p for g in self.param_groups for p in g["params"]]
+        group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        offload = list(dict.fromkeys(offload))
+        sinks = dict(param_sink or {})
+        self._check_offload(offload, group_of, sinks, streams)
+        offloaded = set(offload)
+        order = [p for p in params if p in offloaded]  # step order = the user's parameter order
+
+        numel = {p: sinks[p].numel() if p in sinks else p.numel() for p in order}
+        if arena.growable:  # pin everything now, in slabs, rather than block by block during the first step
+            arena.reserve_for([4 * n for n in numel.values() for _ in range(3)]
+                              + [n * p.element_size() for p, n in numel.items()
+                                 if p not in sinks and p.dtype != torch.float32]
+                              + HostGradients.host_bytes_needed(numel, grads))
+        self.arena, self.streams, self.grads_mode = arena, streams, grads
+        self._slots = {p: _Slot(p, group_of[p], arena, sinks.get(p)) for p in order}
+        self._scratch: torch.Tensor | None = None  # fp32 work buffer for fp16 grads and Adam's L2 term
+        self._device_opt, self._device_groups = self._build_device_optimizer(
+            [p for p in params if p not in offloaded])
+        self._released = False
+        self._steps = 0
+        self._h2d_bytes = self._d2h_mark = 0
+        self._adam_seconds = 0.0
+        self._last_stats: dict = {}
+        for p, st in optimizer.state.items():  # a partly trained optimizer keeps its state
+            if p in offloaded and st:
+                self._load_slot(self._slots[p], st)
+            elif st and self._device_opt is not None:
+                self._device_opt.state[p] = st
+        # last: it registers the host-mode hooks, which must not outlive a constructor that failed
+        self._grads = HostGradients(order, arena=arena, streams=streams, mode=grads,
+                                    staging_slots=grad_staging_slots, shapes={p: s.shape for p, s in sinks.items()})
+        self._sync_state()
+        self._ready = True
+
+    # -- construction ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_offload(offload, group_of, sinks, streams) -> None:
+        for p in offload:
+            if p not in group_of:
+                raise ValueError("every parameter in `offload` must be in the optimizer's param_groups; "
+                                 f"got one of shape {tuple(p.shape)} that is not")
+            if not p.requires_grad or p.dtype not in _FLOAT_DTYPES:
+                raise ValueError("offloaded parameters must require grad and be float32/bfloat16/float16, got "
+                                 f"requires_grad={p.requires_grad} dtype={p.dtype}")
+            if p not in sinks and (p.device != streams.device or not p.is_contiguous()):
+                raise ValueError(f"an offloaded parameter without a sink must be contiguous and on the "
+                                 f"streams' device {streams.device}, got one on {p.device}")
+        offloaded = set(offload)
+        for p, s in sinks.items():
+            if p not in offloaded:
+                raise ValueError("param_sink keys must be offloaded parameters")
+            # numel 0: the pager has already swapped in its empty placeholder
+            if s.device.type != "cpu" or s.dtype != p.dtype or p.numel() not in (0, s.numel()):
+                raise ValueError(f"param_sink: a sink must be a host tensor of its parameter's dtype {p.dtype} "
+                                 f"and numel {p.numel()}, got {s.dtype} numel {s.numel()} on {s.device}")
+
+    def _build_device_optimizer(self, params: list[nn.Parameter]):
+        if not params:
+            return None, []
+        keep = set(params)
+        pairs = [(g, [p for p in g["params"] if p in keep]) for g in self.param_groups]
+        pairs = [(g, ps) for g, ps in pairs if ps]
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps} for g, ps in pairs]
+        # the constructor arguments decide fused/foreach validation and AMP support, so pass them through
+        sig = inspect.signature(self._cls.__init__).parameters
+        kwargs = {k: v for k, v in self.defaults.items() if k in sig and k != "params"}
+        opt = self._cls(groups, **kwargs)
+        return opt, [(g, dg) for (g, _), dg in zip(pairs, opt.param_groups)]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_ready", False):
+            raise NotImplementedError("OffloadedAdamW: add every param group to the optimizer before wrapping")
+        super().add_param_group(param_group)
+
+    def _sync_state(self) -> None:
+        """Points ``self.state`` at the live state: slot views and the device optimizer's entries."""
+        self.state.clear()
+        for p in (q for g in self.param_groups for q in g["params"]):
+            if p in self._slots:
+                if self._slots[p].step.item() > 0:
+                    self.state[p] = self._slots[p].state_view()
+            elif self._device_opt is not None and self._device_opt.state.get(p):
+                self.state[p] = self._device_opt.state[p]
+
+    # -- the step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """Updates every parameter that has a gradient, as torch.optim.AdamW/Adam would.
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._released:
+            raise RuntimeError("OffloadedAdamW.step() after release()")
+        hyper = [_hyper(self._cls, g) for g in self.param_groups]
+        self._grads.check_device_grads()  # nothing below runs on bad input
+        t_step = time.perf_counter()
+        self._h2d_bytes, self._adam_seconds = 0, 0.0
+        cuda = self.streams.is_cuda
+        compute_done = sink_free = None
+        if cuda:
+            # every forward/backward read of p.data is queued before this event; H2D writes go after it
+            compute_done = torch.cuda.current_stream(self.streams.device).record_event()
+            if any(s.sink is not None for s in self._slots.values()):
+                # a pager prefetch may still read a sink; our host writes must not race it
+                sink_free = self.streams.h2d.record_event()
+        self._grads.collect()  # all D2H copies are in flight before the first is waited on
+        if self._device_opt is not None:
+            for g, dg in self._device_groups:
+                dg.update({k: v for k, v in g.items() if k != "params"})
+            self._device_opt.step()
+        done = 0
+        try:
+            for done, slot in enumerate(self._slots.values()):
+                grad = self._grads.take(slot.param)
+                if grad is None:
+                    continue  # torch skips a parameter without a gradient, step count included
+                if sink_free is not None and slot.sink is not None:
+                    sink_free.synchronize()
+                    sink_free = None
+                self._step_slot(slot, grad, hyper[slot.group], compute_done)
+            done = len(self._slots)
+        except Exception as e:
+            raise RuntimeError(f"OffloadedAdamW.step failed on offloaded parameter {done} of {len(self._slots)}; "
+                               "the offloaded parameters before it and the device parameters were already "
+                               "updated") from e
+        finally:
+            if cuda:
+                # the next forward reads the new weights: order it after the copies, without a host sync
+                torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
+            self._grads.consume()
+            self._steps += 1
+            self._last_stats = {
+                # host mode copies during backward, so count from the end of the previous step
+                "step": self._steps, "d2h_bytes": self._grads.d2h_bytes - self._d2h_mark,
+                "h2d_bytes": self._h2d_bytes, "adam_seconds": self._adam_seconds,
+                "step_seconds": time.perf_counter() - t_step}
+            self._d2h_mark = self._grads.d2h_bytes
+            self._sync_state()
+        return loss
+
+    def _step_slot(self, slot: _Slot, grad: torch.Tensor, h: dict, compute_done) -> None:
+        p, n = slot.param, slot.master.numel()
+        wd = h["weight_decay"]
+        l2 = wd != 0 and not h["decoupled"]
+        if grad.dtype == torch.float16 or (l2 and grad.dtype != torch.float32):
+            if self._scratch is None or self._scratch.numel() < n:
+                self._scratch = self.arena.empty([max(s.master.numel() for s in self._slots.values())])
+            grad = self._scratch[:n].copy_(grad)
+        slot.wait_h2d()  # the previous step's H2D copy may still read master / out
+        if l2:
+            # torch's Adam: g = (maximize ? -grad : grad) + wd * p; the kernel negates after, so subtract
+            grad.add_(slot.master, alpha=-wd if h["maximize"] else wd)
+        slot.step += 1
+        bf16_out = None
+        if p.dtype == torch.bfloat16:
+            target = slot.sink if slot.sink is not None else slot.out
+            if target.is_contiguous():
+                bf16_out = target.view(-1)
+        t0 = time.perf_counter()
+        ops.adamw_step_(slot.master, slot.exp_avg, slot.exp_avg_sq, grad, lr=h["lr"], beta1=h["beta1"],
+                        beta2=h["beta2"], eps=h["eps"], weight_decay=wd if h["decoupled"] else 0.0,
+                        step=int(slot.step.item()), maximize=h["maximize"], param_bf16=bf16_out)
+        self._adam_seconds += time.perf_counter() - t0
+        if slot.sink is not None:
+            if bf16_out is None:
+                slot.sink.copy_(slot.master.view(slot.sink.shape))
+            return
+        if p.dtype == torch.float16:
+            slot.out.copy_(slot.master)
+        src = slot.master if slot.out is None else slot.out
+        self._h2d_bytes += src.numel() * src.element_size()
+        slot.last_h2d = self.streams.to_device(src.view(p.shape), out=p.data, after=compute_done)
+
+    # -- gradients ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clips the gradients of all parameters, on the device and on the host, by their total norm.
+
+        The maths is ``torch.nn.utils.clip_grad_norm_``'s: total = norm of the per-tensor norms,
+        coef = clamp(max_norm / (total + 1e-6), max=1), every gradient multiplied by coef. Works in both
+        gradient modes; in host mode it is the only way to clip (``p.grad`` is None there).
+
+        Returns:
+            The total norm before clipping, on the device of the first gradient.
+        """
+        host = self._grads.host_grads()
+        tensors = [host[p] if p in host else p.grad for g in self.param_groups for p in g["params"]
+                   if p in host or p.grad is not None]
+        total = torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        if not tensors:
+            return total
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_device: dict = defaultdict(list)
+        for t in tensors:
+            by_device[(t.device, t.dtype)].append(t)
+        for (device, _), ts in by_device.items():
+            torch._foreach_mul_(ts, coef.to(device))
+        return total
+
+    def host_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Host gradients of offloaded parameters, in host mode (fp32 views shaped like each parameter;
+        scale them in place to change what the step applies). Device mode: empty, see ``p.grad``."""
+        return {p: g.view(self._slots[p].shape) for p, g in self._grads.host_grads().items()}
+
+    clip_grad_norm = clip_grad_norm_  # the name some trainers look for on the optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets device gradients as torch does and marks host gradients empty."""
+        super().zero_grad(set_to_none)
+        self._grads.consume()
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's layout: ``state`` keyed by parameter index ('step', 'exp_avg',
+        'exp_avg_sq'), plus 'master' (fp32) for offloaded parameters whose device dtype is not fp32.
+
+        Offloaded entries are CPU views of the live host state, as torch returns live tensors.
+        """
+        self._sync_state()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state dict of this class or of torch.optim.AdamW/Adam over the same parameters.
+
+        Group hyper-parameters are updated in the shared group dicts (they stay the same objects). An
+        offloaded parameter without 'master' takes its master weight from its current value, so load the
+        model weights first.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError("loaded state dict has a different number of param groups or group sizes")
+        for s, g in zip(saved_groups, self.param_groups):
+            _hyper(self._cls, {**g, **s})  # validate before anything changes
+        index = {i: p for s, g in zip(saved_groups, self.param_groups) for i, p in zip(s["params"], g["params"])}
+        for s, g in zip(saved_groups, self.param_groups):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        saved = state_dict["state"]
+        for i, p in index.items():
+            if p in self._slots:
+                if saved.get(i):
+                    self._load_slot(self._slots[p], saved[i])
+                else:
+                    self._slots[p].reset()
+        if self._device_opt is not None:
+            dev_index = {p: j for j, p in enumerate(q for g in self._device_opt.param_groups for q in g["params"])}
+            dev_groups = []
+            for g, dg in self._device_groups:
+                dg.update({k: v for k, v in g.items() if k != "params"})
+                dev_groups.append({**{k: v for k, v in dg.items() if k != "params"},
+                                   "params": [dev_index[p] for p in dg["params"]]})
+            self._device_opt.load_state_dict({
+                "state": {dev_index[p]: st for i, p in index.items() if p in dev_index and (st := saved.get(i))},
+                "param_groups": dev_groups})
+        self._sync_state()
+
+    def _load_slot(self, slot: _Slot, st: dict) -> None:
+        slot.wait_h2d()
+        slot.exp_avg.copy_(st["exp_avg"].reshape(-1))
+        slot.exp_avg_sq.copy_(st["exp_avg_sq"].reshape(-1))
+        slot.step.fill_(float(st["step"]))
+        if "master" in st:
+            slot.master.copy_(st["master"].reshape(-1))
+        else:
+            slot.read_param()
+
+    # -- weights --------------------------------------------------------------------------------
+    def master_params(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The fp32 master weight of each offloaded parameter (a host view shaped like it; live)."""
+        return {p: s.master.view(s.shape) for p, s in self._slots.items()}
+
+    @torch.no_grad()
+    def load_master_from_params(self) -> None:
+        """Re-reads every master weight from its parameter (or sink): call after loading model weights
+        into an already-wrapped model, or the next step would write the old weights back."""
+        for s in self._slots.values():
+            s.read_param()
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Writes the fp32 masters into the parameters (or sinks), cast to their dtype, and removes the
+        gradient hooks. The optimizer cannot step afterwards; host gradients not yet stepped are dropped."""
+        for p, s in self._slots.items():
+            s.wait_h2d()
+            dst = s.sink if s.sink is not None else p.data
+            dst.copy_(s.master.view(dst.shape))
+        self._grads.remove_hooks()
+        self._grads.consume()
+        self._released = True
+
+    unwrap = release
+
+    def stats(self) -> dict:
+        """Counters of the last step (bytes each way, seconds in the CPU kernel and in ``step``) and sizes."""
+        return {**self._last_stats, "grads": self.grads_mode, "offloaded_params": len(self._slots),
+                "offloaded_numel": sum(s.master.numel() for s in self._slots.values()),
+                "device_params": sum(len(g["params"]) for g in (self._device_opt.param_groups
+                                                                  if self._device_opt else [])),
+                "host_bytes": 4 * 3 * sum(s.master.numel() for s in self._slots.values()) + self._grads.nbytes()
+                + sum(s.out.numel() * s.out.element_size() for s in self._slots.values() if s.out is not None)}

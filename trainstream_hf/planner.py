@@ -1,0 +1,275 @@
+"""The plan: where each block's weights, activations, gradients and optimizer state live for a VRAM budget.
+
+``plan()`` estimates, per block, the bytes of weights (in their device dtype), trainable parameters and
+saved activations for one micro-batch, then moves things to host RAM in order of increasing PCIe cost per
+byte of VRAM saved until the predicted peak fits the budget:
+
+1. optimizer state (fp32 master, exp_avg, exp_avg_sq) of large trainable parameters: costs no PCIe bytes
+   beyond the gradient and the refreshed weight, but CPU AdamW time;
+2. their gradients (device -> host as soon as each is accumulated);
+3. saved activations, block by block (down once in forward, up once in backward);
+4. weights, block by block (up in forward and again in backward, less the blocks still resident).
+
+The estimates are analytic (see :func:`activation_bytes_per_token`); ``print(plan)`` shows the table and
+the predicted peak, and the engine reports the measured one next to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from trainstream_hf.config import parse_bytes
+
+__all__ = ["BlockPlan", "Plan", "BudgetError", "plan", "resolve_budget", "activation_bytes_per_token"]
+
+GiB = 2**30
+# Parameters smaller than this stay with the device optimizer even when optimizer state is offloaded:
+# LoRA adapters, norms and biases cost more in per-tensor overhead than they save.
+MIN_OFFLOAD_NUMEL = 1 << 20
+# Pinned copy bandwidth used for the plan's time estimates (GPU.md: 53-55 GB/s one way on PCIe Gen5 x16).
+DEFAULT_PCIE_BPS = 50e9
+DEFAULT_CPU_ADAM_PPS = 3.4e9
+# Device memory kept free for cuBLAS / attention workspaces and allocator fragmentation.
+DEFAULT_MARGIN = GiB
+
+
+class BudgetError(MemoryError):
+    """The model cannot be trained in the given VRAM budget even with everything in host RAM."""
+
+
+@dataclass
+class BlockPlan:
+    """Placement of one block. Places are ``"device"`` or ``"host"``."""
+
+    index: int
+    weight_bytes: int
+    trainable_numel: int
+    activation_bytes: int
+    weights: str = "device"
+    activations: str = "device"
+
+    def pcie_bytes(self) -> int:
+        """Bytes this block moves per step over PCIe because of its placement (not counting optimizer)."""
+        n = 0
+        if self.weights == "host":
+            n += 2 * self.weight_bytes  # up for forward, up again for backward
+        if self.activations == "host":
+            n += 2 * self.activation_bytes  # down in forward, up in backward
+        return n
+
+
+@dataclass
+class Plan:
+    """What wrap() installs. ``str(plan)`` is a readable table."""
+
+    budget: int
+    blocks: list[BlockPlan]
+    offload_optimizer: list[str] = field(default_factory=list)  # parameter names
+    grads: str = "device"
+    slots: int = 0
+    prefetch: int = 0
+    fixed_bytes: int = 0          # non-block weights + their grads/optimizer state on device
+    trainable_device_bytes: int = 0  # grads + optimizer state kept on the device
+    logits_bytes: int = 0
+    margin: int = DEFAULT_MARGIN
+    pcie_bps: float = DEFAULT_PCIE_BPS
+    cpu_adam_pps: float = DEFAULT_CPU_ADAM_PPS
+    offload_numel: int = 0
+    min_offload_numel: int = MIN_OFFLOAD_NUMEL
+
+    # -- predictions ----------------------------------------------------------------------------
+    @property
+    def paged_blocks(self) -> list[int]:
+        return [b.index for b in self.blocks if b.weights == "host"]
+
+    @property
+    def offloaded_activation_blocks(self) -> list[int]:
+        return [b.index for b in self.blocks if b.activations == "host"]
+
+    def predicted_peak(self) -> int:
+        """Predicted peak device bytes allocated during one training step."""
+        resident_w = sum(b.weight_bytes for b in self.blocks if b.weights == "device")
+        paged = [b.weight_bytes for b in self.blocks if b.weights == "host"]
+        slot_bytes = self.slots * max(paged, default=0)
+        acts = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
+        host_acts = [b.activation_bytes for b in self.blocks if b.activations == "host"]
+        # An offloaded block's activations are on the device while it computes and while its copy runs,
+        # and one block ahead is prefetched in backward: two blocks at a time.
+        acts += 2 * max(host_acts, default=0)
+        return (self.fixed_bytes + resident_w + slot_bytes + acts + self.trainable_device_bytes
+                + self.logits_bytes + self.margin)
+
+    def pcie_bytes(self) -> int:
+        return sum(b.pcie_bytes() for b in self.blocks)
+
+    def predicted_step_floor(self) -> float:
+        """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds)."""
+        return max(self.pcie_bytes() / self.pcie_bps, self.offload_numel / self.cpu_adam_pps)
+
+    def __str__(self) -> str:
+        mib = 2**20
+        lines = [f"TrainStream plan: budget {self.budget / GiB:.2f} GiB, predicted peak "
+                 f"{self.predicted_peak() / GiB:.2f} GiB, {self.slots} weight slots, prefetch {self.prefetch}, "
+                 f"gradients on {self.grads}, optimizer state of {len(self.offload_optimizer)} parameters "
+                 f"({self.offload_numel / 1e6:.1f} M) in host RAM",
+                 "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |",
+                 "|---|---|---|---|---|---|---|"]
+        for b in self.blocks:
+            lines.append(f"| {b.index} | {b.weights} | {b.weight_bytes / mib:.1f} | {b.activations} | "
+                         f"{b.activation_bytes / mib:.1f} | {b.pcie_bytes() / mib:.1f} | "
+                         f"{1e3 * b.pcie_bytes() / self.pcie_bps:.2f} |")
+        lines.append(f"non-block weights and device optimizer: {self.fixed_bytes / GiB:.2f} GiB; logits "
+                     f"{self.logits_bytes / GiB:.2f} GiB; margin {self.margin / GiB:.2f} GiB; PCIe "
+                     f"{self.pcie_bytes() / GiB:.2f} GiB/step; step floor {self.predicted_step_floor():.3f} s")
+        return "\n".join(lines)
+
+
+def resolve_budget(vram_budget, device: torch.device) -> int:
+    """Bytes of device memory the plan may use.
+
+    Args:
+        vram_budget: bytes, a string such as ``"24GiB"``, a float fraction of the device's memory, or
+            ``"auto"`` (free memory now; on the CPU, MemAvailable).
+        device: the compute device.
+    """
+    if isinstance(vram_budget, float) and not isinstance(vram_budget, bool):
+        return int(vram_budget * _device_total(device))
+    if vram_budget == "auto":
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free + torch.cuda.memory_allocated(device))
+        return _device_total(device)
+    return parse_bytes(vram_budget, name="vram_budget")
+
+
+def _device_total(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    from trainstream_hf.engine.arena import host_memory_available
+    return host_memory_available() or 64 * GiB
+
+
+def activation_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Saved-for-backward bytes per token of one decoder block (no gradient checkpointing).
+
+    Counted for a pre-norm block with SDPA attention and a gated MLP (Llama, Qwen2, Mistral, Gemma, Phi3):
+    norm inputs and outputs (4h) + q, k, v and the attention output (h + 2 kv + h) + o_proj input (h) +
+    gate, up, act(gate) and act*up (4 i) in the compute dtype, plus two fp32 rms statistics. GPT-2's MLP is
+    not gated (3 i); the difference is within the margin.
+    """
+    h = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    i = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * (h // heads)
+    elems = 7 * h + 2 * kv + 4 * i
+    return elems * dtype_bytes + 8
+
+
+def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[int, int], vram_budget,
+         device: torch.device | str | None = None, offload_optimizer="auto", grads="auto",
+         offload_activations="auto", page_weights="auto", slots: int = 2, prefetch: int = 1,
+         margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL) -> Plan:
+    """Decides placements for a VRAM budget (see the module docstring for the order).
+
+    Args:
+        model: the model (its ``config`` gives the activation estimate when it has one).
+        blocks: its repeated layers, in forward order.
+        batch_shape: (batch size, sequence length) of one micro-batch.
+        vram_budget: see :func:`resolve_budget`.
+        device: the compute device (default: the model's).
+        offload_optimizer, grads, offload_activations, page_weights: ``"auto"`` lets the plan decide;
+            ``True`` / ``False`` (``"host"`` / ``"device"`` for grads) force a placement.
+        slots, prefetch: device slots of the weight ring and how many blocks ahead they are filled.
+        margin: device bytes kept free for workspaces.
+        min_offload_numel: trainable parameters smaller than this keep their optimizer on the device.
+
+    Raises:
+        BudgetError: when even the most offloaded plan does not fit, with the minimum it needs.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    budget = resolve_budget(vram_budget, device)
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    named = list(model.named_parameters())
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    big = [(n, p) for n, p in trainable if p.numel() >= min_offload_numel]
+    small = [(n, p) for n, p in trainable if p.numel() < min_offload_numel]
+    # Activations are in the parameters' dtype (under autocast they are smaller: the estimate errs high).
+    act_dtype_bytes = next(model.parameters()).element_size()
+    config = getattr(model, "config", None)
+    tokens = int(batch_shape[0]) * int(batch_shape[1])
+    if config is not None and (getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)):
+        per_block_act = activation_bytes_per_token(config, act_dtype_bytes) * tokens
+        vocab = getattr(config, "vocab_size", 0) or 0
+    else:
+        per_block_act, vocab = 0, 0
+    block_plans = []
+    for i, b in enumerate(blocks):
+        params = list(b.parameters())
+        block_plans.append(BlockPlan(i, _numel_bytes(params), sum(p.numel() for p in params if p.requires_grad),
+                                     per_block_act))
+    # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
+    logits = tokens * vocab * (act_dtype_bytes + 4 + 4)
+    nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)
+
+    def opt_state_bytes(params) -> int:
+        # The device optimizer keeps exp_avg and exp_avg_sq in the parameter's dtype, plus the gradient.
+        return sum(p.numel() * p.element_size() * 3 for p in params)
+
+    pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
+              min_offload_numel=min_offload_numel)
+    big_params = [p for _, p in big]
+
+    def settle(offload_opt: bool, grads_host: bool) -> None:
+        pl.offload_optimizer = [n for n, _ in big] if offload_opt else []
+        pl.offload_numel = sum(p.numel() for p in big_params) if offload_opt else 0
+        pl.grads = "host" if (offload_opt and grads_host and big_params) else "device"
+        device_trainable = [p for _, p in small] + ([] if offload_opt else big_params)
+        dev = opt_state_bytes(device_trainable)
+        if offload_opt:
+            grads_b = [p.numel() * p.element_size() for p in big_params]
+            # host grads: at most one block's worth in flight; device grads: all of them until step().
+            per_block = max((sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
+                             for b in blocks), default=0)
+            dev += per_block if grads_host else sum(grads_b)
+        pl.trainable_device_bytes = dev
+        pl.fixed_bytes = nonblock_w
+
+    choices_opt = [False, True] if offload_optimizer == "auto" else [bool(offload_optimizer)]
+    choices_grads = {"auto": [False, True], "device": [False], "host": [True]}[grads]
+    for opt in choices_opt:
+        for gh in (choices_grads if opt else [False]):
+            settle(opt, gh)
+            if pl.predicted_peak() <= budget:
+                break
+        else:
+            continue
+        break
+    if offload_activations is True:
+        for b in block_plans:
+            b.activations = "host"
+    elif offload_activations == "auto":
+        for b in block_plans:
+            if pl.predicted_peak() <= budget:
+                break
+            b.activations = "host"
+    if page_weights is True or (page_weights == "auto" and pl.predicted_peak() > budget):
+        if prefetch >= slots:
+            raise ValueError(f"prefetch ({prefetch}) must be below slots ({slots}): a slot is refilled only "
+                             "after the block in it has run")
+        pl.slots, pl.prefetch = slots, prefetch
+        for b in block_plans:
+            if page_weights == "auto" and pl.predicted_peak() <= budget:
+                break
+            b.weights = "host"
+    if pl.predicted_peak() > budget:
+        raise BudgetError(
+            f"vram_budget {budget / GiB:.2f} GiB is below the minimum this model needs with every block's "
+            f"weights and activations in host RAM: {pl.predicted_peak() / GiB:.2f} GiB predicted\n{pl}")
+    return pl

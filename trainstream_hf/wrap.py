@@ -1,0 +1,216 @@
+"""wrap(model, optimizer, **options): install the engine; the training loop stays as it was.
+
+``wrap`` finds the model's blocks, makes a :class:`~trainstream_hf.planner.Plan` for the VRAM budget, and
+installs what the plan asks for: a weight pager and an activation offloader on the blocks (sharing one set
+of block hooks), and an :class:`~trainstream_hf.engine.optimizer.OffloadedAdamW` in place of the user's
+AdamW. ``unwrap`` takes it all out again and leaves an ordinary model holding the trained weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from trainstream_hf import planner
+from trainstream_hf.config import TrainStreamConfig, parse_bytes
+from trainstream_hf.engine.activations import ActivationOffloader
+from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.blocks import find_blocks
+from trainstream_hf.engine.hooks import BlockHooks, BlockListener
+from trainstream_hf.engine.optimizer import OffloadedAdamW
+from trainstream_hf.engine.streams import TransferStreams
+from trainstream_hf.engine.weights import WeightPager
+
+__all__ = ["wrap", "unwrap", "Engine", "engine_of"]
+
+_ATTR = "_trainstream_engine"
+
+
+class _StepClock(BlockListener):
+    """Marks the start of each step (forward of block 0) for the per-step statistics."""
+
+    pack_priority = 100
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def step_start(self) -> None:
+        self.engine._begin_step()
+
+
+class Engine:
+    """Everything ``wrap`` installed on one model; reach it with :func:`engine_of`."""
+
+    def __init__(self, model: nn.Module, config: TrainStreamConfig, plan: planner.Plan, *, streams, arena,
+                 hooks, pager, offloader, optimizer, user_optimizer):
+        self.model, self.config, self.plan = model, config, plan
+        self.streams, self.arena, self.hooks = streams, arena, hooks
+        self.pager, self.offloader, self.optimizer = pager, offloader, optimizer
+        self.user_optimizer = user_optimizer
+        self.steps = 0
+        self._t0: float | None = None
+        self._last: dict = {}
+        self._trace_path = os.environ.get("TRAINSTREAM_TRACE") or None
+        self._trace: list[dict] = []
+        hooks.add(_StepClock(self))
+
+    # -- statistics -------------------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        now = time.perf_counter()
+        if self._t0 is not None:
+            self._close_step(now)
+        self._t0 = now
+        if self.streams.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.streams.device)
+
+    def _close_step(self, now: float) -> None:
+        dt = now - self._t0
+        moved = self.streams.reset_counters()
+        s = {"step": self.steps, "step_seconds": dt, **moved,
+             "h2d_GBps": moved["h2d_bytes"] / dt / 1e9 if dt > 0 else 0.0,
+             "d2h_GBps": moved["d2h_bytes"] / dt / 1e9 if dt > 0 else 0.0,
+             "arena_used_bytes": self.arena.stats()["used"],
+             "arena_reserved_bytes": self.arena.stats()["reserved"],
+             "predicted_peak_bytes": self.plan.predicted_peak()}
+        if self.streams.is_cuda:
+            s["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.streams.device)
+            s["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.streams.device)
+        for name, part in (("weights", self.pager), ("activations", self.offloader), ("optimizer", self.optimizer)):
+            if part is not None and hasattr(part, "stats"):
+                s[name] = part.stats()
+        self._last = s
+        self.steps += 1
+        if self._trace_path:
+            self._trace.append({"name": f"step {s['step']}", "ph": "X", "ts": self._t0 * 1e6, "dur": dt * 1e6,
+                                "pid": 0, "tid": 0, "args": {k: v for k, v in s.items() if not isinstance(v, dict)}})
+            with open(self._trace_path, "w") as f:
+                json.dump({"traceEvents": self._trace}, f)
+
+    def stats(self) -> dict:
+        """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part)."""
+        return dict(self._last)
+
+    # -- removal ----------------------------------------------------------------------------------
+    def unwrap(self) -> nn.Module:
+        if isinstance(self.optimizer, OffloadedAdamW):
+            self.optimizer.release()  # fp32 masters -> sinks / device params
+        if self.pager is not None:
+            self.pager.unwrap()  # host copies (updated by the optimizer through the sinks) -> device
+        if self.offloader is not None:
+            self.offloader.close()
+        self.hooks.remove()
+        self.streams.synchronize()
+        for name in (_ATTR, "trainstream_stats", "trainstream_plan"):
+            self.model.__dict__.pop(name, None)
+        return self.model
+
+
+def engine_of(model: nn.Module) -> Engine | None:
+    """The engine ``wrap`` installed on ``model`` (or on the model a PEFT wrapper holds), else None."""
+    return model.__dict__.get(_ATTR)
+
+
+def _compute_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len({d for d in cuda}) > 1:
+        raise ValueError(f"wrap: the model spans several GPUs {sorted(map(str, cuda))}; wrap one model per GPU "
+                         "(data parallel) instead")
+    return cuda[0] if cuda else torch.device("cpu")
+
+
+def _default_batch_shape(model: nn.Module) -> tuple[int, int]:
+    cfg = getattr(model, "config", None)
+    return (1, min(2048, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)))
+
+
+def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         config: TrainStreamConfig | None = None, **options):
+    """Installs the offload engine on ``model`` (and ``optimizer``); the training loop stays unchanged.
+
+    Args:
+        model: a model on its compute device (a GPU, or ``cpu``), e.g. a transformers causal LM or a PEFT
+            model around one. Its repeated blocks are found automatically.
+        optimizer: the user's ``torch.optim.AdamW`` / ``Adam`` over the model's parameters, or None.
+        config: a :class:`TrainStreamConfig`; ``options`` override its fields (or build one).
+        **options: any :class:`TrainStreamConfig` field, e.g. ``vram_budget="24GiB"``.
+
+    Returns:
+        ``(model, optimizer)``: the same model object with the engine's hooks, and the optimizer to use from
+        now on (an :class:`OffloadedAdamW` sharing the user's param groups when the plan offloads optimizer
+        state, else the user's optimizer). ``model.trainstream_stats()`` gives the last step's figures and
+        ``model.trainstream_plan`` the plan.
+
+    Raises:
+        RuntimeError: the model is already wrapped.
+        BudgetError: the model cannot be trained within ``vram_budget``.
+        HostMemoryError: the host cannot hold what the plan puts there (checked before pinning).
+    """
+    if engine_of(model) is not None:
+        raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
+    config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
+    device = _compute_device(model)
+    blocks = find_blocks(model)
+    batch_shape = config.batch_shape or _default_batch_shape(model)
+    pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
+                      offload_optimizer=config.offload_optimizer if optimizer is not None else False,
+                      grads=config.grads, offload_activations=config.offload_activations,
+                      page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch)
+    streams = TransferStreams(device)
+    arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
+                      pinned=None if config.host_arena not in (None, 0) else False,
+                      slab_bytes=config.host_arena_slab, pageable_fallback=config.pageable_fallback)
+    hooks = BlockHooks(blocks)
+    pager = offloader = None
+    new_opt = optimizer
+    try:
+        if pl.paged_blocks:
+            # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the
+            # device optimizer: paging them would save little and put them on the CPU optimizer.
+            pager = WeightPager(hooks, streams, arena, blocks=pl.paged_blocks, slots=pl.slots, prefetch=pl.prefetch,
+                                param_filter=lambda n, p: not p.requires_grad or p.numel() >= pl.min_offload_numel)
+        if pl.offloaded_activation_blocks:
+            offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
+                                            min_bytes=parse_bytes(config.min_activation_bytes))
+        if optimizer is not None:
+            names = dict((id(p), n) for n, p in model.named_parameters())
+            wanted = set(pl.offload_optimizer)
+            paged = set(map(id, pager.paged_parameters())) if pager is not None else set()
+            offload = [p for g in optimizer.param_groups for p in g["params"]
+                       if names.get(id(p)) in wanted or (id(p) in paged and p.requires_grad)]
+            if offload:
+                sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
+                grads_mode = "host" if (pl.grads == "host" or sinks) else "device"
+                pl.grads = grads_mode
+                new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=grads_mode,
+                                         param_sink=sinks)
+    except BaseException:
+        # Nothing half-installed survives a failed wrap: the model goes back to how it came in.
+        if pager is not None:
+            pager.unwrap()
+        if offloader is not None:
+            offloader.close()
+        hooks.remove()
+        arena.close()
+        raise
+    engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
+                    offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
+    model.__dict__[_ATTR] = engine
+    model.__dict__["trainstream_stats"] = engine.stats
+    model.__dict__["trainstream_plan"] = pl
+    return model, new_opt
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Removes the engine from ``model``: every parameter back on the device with its trained value.
+
+    The optimizer returned by :func:`wrap` must not be stepped afterwards.
+    """
+    engine = engine_of(model)
+    if engine is None:
+        raise RuntimeError("unwrap: this model was not wrapped by trainstream_hf.wrap")
+    return engine.unwrap()
