@@ -3,7 +3,7 @@
 Each case builds a tiny transformers model from a config, deep-copies it as the reference, pages every
 block's weights (slots S, prefetch P) and offloads the saved activations of every block, then runs five
 forward/backward passes on five random batches. Loss and every gradient must be ``torch.equal`` to the
-reference's. Between passes both models take the same plain SGD step, ``w -= lr * grad`` with one
+reference's. Between passes both models take the same plain SGD step, ``w -= lr * grad`` with one host
 ``add_`` per tensor: on the reference's parameters, and for paged parameters on their host copy
 (``WeightPager.host_tensor``), which is where an optimizer writes a paged weight.
 """
@@ -28,8 +28,8 @@ transformers.logging.set_verbosity_error()
 
 VOCAB, HIDDEN, SEQ = 128, 64, 16
 MIN_BYTES = 2048  # small enough that most activations move, large enough that some stay
-# The compute device. The same tests run on CUDA by setting this (and a bigger HIDDEN / SEQ) from a script
-# on the GPU machine; tests/gpu will hold that variant.
+# The compute device. The same tests run on CUDA when a script on the GPU machine sets this (and a bigger
+# HIDDEN / SEQ / MIN_BYTES) before calling them.
 DEVICE = torch.device("cpu")
 
 
@@ -134,12 +134,15 @@ def _sgd(model, pager=None, lr=0.05):
             p.grad = None
 
 
-def _assert_step_equal(model, ref, step, pager, **kw):
+def _assert_step_equal(model, ref, step, engine, **kw):
     loss = _loss(model, step, **kw)
     ref_loss = _loss(ref, step, **kw)
     loss.backward()
     ref_loss.backward()
     assert torch.equal(loss, ref_loss), (step, loss.item(), ref_loss.item())
+    del loss
+    if engine.offloader is not None:
+        assert engine.offloader.stats()["live"] == 0  # the backward released every host and device copy
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         r = ref_params[name]
@@ -147,7 +150,7 @@ def _assert_step_equal(model, ref, step, pager, **kw):
         if p.grad is not None:
             assert p.grad.shape == r.grad.shape and p.grad.stride() == r.grad.stride(), name
             assert torch.equal(p.grad, r.grad), f"step {step}: gradient of {name} differs"
-    _sgd(model, pager)
+    _sgd(model, engine.pager)
     _sgd(ref)
 
 
@@ -172,7 +175,7 @@ def test_paged_training_is_bit_exact(family, dtype, checkpointing):
     engine = Engine(model)
     assert engine.pager.paged_blocks == [0, 1, 2]
     for step in range(5):
-        _assert_step_equal(model, ref, step, engine.pager)
+        _assert_step_equal(model, ref, step, engine)
     pstats, ostats = engine.pager.stats(), engine.offloader.stats()
     assert pstats["h2d_copies"] > 0 and pstats["reused_backward"] == 2 * 5  # S=2: both resident blocks
     assert ostats["offloaded"] > 0 and ostats["d2h_bytes"] > 0 and ostats["h2d_bytes"] == ostats["d2h_bytes"]
@@ -199,7 +202,7 @@ def test_slots_and_prefetch_depth():
 
     handles = [block.register_forward_pre_hook(check(i)) for i, block in enumerate(engine.blocks)]
     before = pager.stats()
-    _assert_step_equal(model, ref, 0, pager)
+    _assert_step_equal(model, ref, 0, engine)
     s = pager.stats()
     assert seen == [0, 1, 2, 3]
     assert s["loads_forward"] - before["loads_forward"] == 4
@@ -207,7 +210,7 @@ def test_slots_and_prefetch_depth():
     assert s["h2d_copies"] == 5 and s["slots"] == 3
     assert s["h2d_bytes"] == 5 * s["paged_bytes"] // 4  # identical blocks
     for step in range(1, 3):
-        _assert_step_equal(model, ref, step, pager)
+        _assert_step_equal(model, ref, step, engine)
     for h in handles:
         h.remove()
     _assert_unwrapped_equal(engine, model, ref)
@@ -236,21 +239,23 @@ def test_params_are_empty_between_uses():
     assert checks == ["forward", "backward"]
     for h in handles:
         h.remove()
-    ref = copy.deepcopy(_model("qwen2", layers=4))
+    ref = _model("qwen2", layers=4)  # same seed: the initial weights
     for p in model.parameters():
         p.grad = None
-    _assert_unwrapped_equal(engine, model, ref)  # never trained: still the initial weights
+    _assert_unwrapped_equal(engine, model, ref)  # never trained
 
 
 def test_exception_in_forward_and_backward_recovers():
     model = _model("llama")
     ref = copy.deepcopy(model)
     engine = Engine(model)
-    armed = {"forward": False, "backward": False}
+    armed = {"forward": False, "backward": False, "interrupt": False}
 
     def boom_forward(module, args, output):
         if armed["forward"]:
             raise RuntimeError("boom in forward")
+        if armed["interrupt"]:
+            raise KeyboardInterrupt  # a BaseException: the always_call hook does not run
 
     def boom_backward(module, args, output):
         if armed["backward"]:
@@ -258,12 +263,16 @@ def test_exception_in_forward_and_backward_recovers():
 
     model.model.layers[1].mlp.register_forward_hook(boom_forward)
     boom_handle = model.model.layers[1].register_forward_hook(boom_backward)
-    _assert_step_equal(model, ref, 0, engine.pager)
+    _assert_step_equal(model, ref, 0, engine)
     armed["forward"] = True
     with pytest.raises(RuntimeError, match="boom in forward"):
         _loss(model, 1)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no context left pushed
-    armed["forward"], armed["backward"] = False, True
+    armed["forward"], armed["interrupt"] = False, True
+    with pytest.raises(KeyboardInterrupt):
+        _loss(model, 1)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None  # left pushed...
+    armed["interrupt"], armed["backward"] = False, True  # ...until block 0's next forward pops it
     loss = _loss(model, 2)
     with pytest.raises(RuntimeError, match="boom in backward"):
         loss.backward()
@@ -272,7 +281,7 @@ def test_exception_in_forward_and_backward_recovers():
     for p in model.parameters():  # the failed backward accumulated part of the gradients
         p.grad = None
     for step in range(3, 6):
-        _assert_step_equal(model, ref, step, engine.pager)
+        _assert_step_equal(model, ref, step, engine)
     armed["forward"] = True  # fails mid-step, then unwraps with the weights intact
     with pytest.raises(RuntimeError, match="boom in forward"):
         _loss(model, 6)
@@ -296,7 +305,7 @@ def test_peft_lora_on_a_paged_frozen_base():
     loads = []
     for step in range(4):
         before = engine.pager.stats()["loads_forward"]
-        _assert_step_equal(model, ref, step, engine.pager)
+        _assert_step_equal(model, ref, step, engine)
         loads.append(engine.pager.stats()["loads_forward"] - before)
     assert loads == [4, 2, 2, 2]  # frozen blocks left resident by backward are reused by the next forward
     _assert_unwrapped_equal(engine, model, ref)
@@ -348,6 +357,33 @@ def test_gradient_accumulation_reuses_resident_blocks():
         _sgd(model, engine.pager)
         _sgd(ref)
         engine.pager.invalidate()
+    _assert_unwrapped_equal(engine, model, ref)
+
+
+def test_an_outer_saved_tensors_context_still_gets_what_the_engine_leaves():
+    model = _model("qwen2")
+    ref = copy.deepcopy(model)
+    engine = Engine(model, min_bytes=1 << 30)  # the offloader claims nothing; the pager claims the weights
+    seen = {"pack": 0, "unpack": 0}
+
+    def pack(t):
+        seen["pack"] += 1
+        return t.clone()
+
+    def unpack(t):
+        seen["unpack"] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = _loss(model, 0)
+    loss.backward()
+    ref_loss = _loss(ref, 0)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    ref_params = dict(ref.named_parameters())
+    assert all(torch.equal(p.grad, ref_params[n].grad) for n, p in model.named_parameters())
+    assert seen["pack"] > 0 and seen["unpack"] == seen["pack"]
+    assert engine.pager.stats()["weight_refs"] > 0
     _assert_unwrapped_equal(engine, model, ref)
 
 

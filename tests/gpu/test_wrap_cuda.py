@@ -14,7 +14,8 @@ FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True
 def _llama(dtype, layers=4):
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                      attn_implementation="eager")  # SDPA backward kernels need not be deterministic
     return LlamaForCausalLM(cfg).to(dtype).cuda()
 
 

@@ -75,7 +75,9 @@ class ActivationOffloader(BlockListener):
         self._chosen = set(self._order)
         self._prev = {j: (self._order[k - 1] if k else None) for k, j in enumerate(self._order)}
         self._records: dict[int, list[weakref.ref]] = {}
-        self._seen: dict[int, tuple[weakref.ref, int, _Offloaded]] = {}
+        # id(tensor) -> (tensor, its version, its record), all weak: a record lives exactly as long as autograd
+        # holds it, so its host block and device copy are released as soon as the backward has used it.
+        self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._param_ptrs: tuple[int, set[int]] = (-1, set())
         self._stats = {"offloaded": 0, "d2h_bytes": 0, "h2d_bytes": 0, "deduplicated": 0, "kept_small": 0,
                        "kept_layout": 0}
@@ -84,8 +86,10 @@ class ActivationOffloader(BlockListener):
 
     def stats(self) -> dict:
         """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, and
-        tensors kept on the device for being small or not dense."""
-        return dict(self._stats)
+        tensors kept on the device for being small or not dense; ``live``: offloaded tensors of this step
+        that autograd still holds."""
+        live = {id(r) for refs in self._records.values() for ref in refs if (r := ref()) is not None}
+        return dict(self._stats, live=len(live))
 
     def close(self) -> None:
         """Stops offloading (detaches from the hooks). Tensors already offloaded still come back."""
@@ -116,7 +120,7 @@ class ActivationOffloader(BlockListener):
                         self._fetch(rec)
 
     def pack(self, i: int, t: torch.Tensor):
-        if i not in self._chosen or t.device != self.device:
+        if i not in self._chosen or t.device != self.device or t.layout != torch.strided:
             return None
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or nbytes == 0:
@@ -130,8 +134,8 @@ class ActivationOffloader(BlockListener):
             self._stats["kept_layout"] += 1
             return None
         seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            rec = seen[2]
+        rec = seen[2]() if seen is not None and seen[0]() is t and seen[1] == t._version else None
+        if rec is not None:
             self._stats["deduplicated"] += 1
         else:
             pad = (t.data_ptr() % _ALIGN) // t.element_size()
@@ -140,7 +144,7 @@ class ActivationOffloader(BlockListener):
             # detach: the copy must not join the graph. to_host records t on the D2H stream, so its device
             # memory is reused only after the copy has read it.
             rec = _Offloaded(host, self.streams.to_host(t.detach(), host), t.size(), t.stride(), pad)
-            self._seen[id(t)] = (weakref.ref(t), t._version, rec)
+            self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(rec))
             self._stats["offloaded"] += 1
             self._stats["d2h_bytes"] += nbytes
         records = self._records.setdefault(i, [])

@@ -21,20 +21,27 @@ Signals (methods of :class:`BlockListener`):
 
 Gradient checkpointing (non-reentrant ``torch.utils.checkpoint``, what transformers uses):
 
-* transformers >= 5.2x checkpoints ``forward`` inside ``GradientCheckpointingLayer`` (module hooks stay
-  outside). Forward: our context is pushed first, so the checkpoint's saved inputs (the block's input
-  hidden states) are packed by us (offloadable); the checkpoint's own context is innermost inside and
-  keeps only placeholders. Backward: ``backward_start(i)`` fires, then the first unpack recomputes the
-  block under the checkpoint's recomputation context (innermost, our hooks not involved). Its saved
-  tensors, views of the paged weights included, are held by the checkpoint until block ``i``'s backward
-  has used them; the pager keeps block ``i`` resident at least that long (see weights.py).
-* Older transformers (and ``checkpoint(block, ...)``) run the module hooks inside the checkpoint. Forward:
-  the checkpoint's context is already innermost when our pre-hook runs, so we do NOT push ours (that would
-  steal the tensors the checkpoint discards). Recompute (detected by running inside a graph task): we
-  push nothing and send ``recompute_start(i)`` so weights are resident; the checkpoint gets the tensors.
-  Its saved inputs were packed outside the block, so they are not offloaded.
+* transformers 5.24 (the dev environment) checkpoints ``forward`` inside ``GradientCheckpointingLayer``
+  (module hooks stay outside). Forward: our context is pushed first, so the checkpoint's saved inputs
+  (the block's input hidden states) are packed by us (offloadable); the checkpoint's own context is
+  innermost inside and keeps only placeholders. Backward: ``backward_start(i)`` fires, then the first
+  unpack recomputes the block under the checkpoint's recomputation context (innermost, our hooks not
+  involved). Its saved tensors, views of the paged weights included, are held by the checkpoint until
+  block ``i``'s backward has used them; the pager keeps block ``i`` resident at least that long.
+* Older transformers (4.x checkpoints ``__call__``) and ``checkpoint(block, ...)`` run the module hooks
+  inside the checkpoint. Forward: the checkpoint's context is already innermost when our pre-hook runs,
+  so we do NOT push ours (that would steal the tensors the checkpoint discards). Recompute (detected by
+  running inside a graph task): we push nothing and send ``recompute_start(i)`` so weights are resident;
+  the checkpoint gets the tensors. Its saved inputs were packed outside the block, so they are not
+  offloaded.
+* Reentrant checkpointing runs the forward without grad (nothing saved, no output hook), so the
+  recompute's pre-hook also sends ``backward_start(i)`` (once per graph task, like the output hook).
 
 Either way the values autograd uses are those of the original forward, so results are bit-exact.
+
+Two private torch functions are read (nothing is patched): ``torch._C._current_graph_task_id`` (also
+used by torch.utils.checkpoint) and ``torch._C._autograd._top_saved_tensors_default_hooks``; both exist
+from torch 2.2 through 2.13.
 """
 from __future__ import annotations
 

@@ -271,7 +271,7 @@ class WeightPager(BlockListener):
             self._make_ready(i, protect={i, self._current})
 
     def pack(self, i: int, tensor: torch.Tensor):
-        if not self._slot_ptr or tensor.device != self.device:
+        if not self._slot_ptr or tensor.device != self.device or tensor.layout != torch.strided:
             return None
         slot = self._slot_ptr.get(tensor.untyped_storage().data_ptr())
         if slot is None:
