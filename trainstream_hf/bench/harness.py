@@ -35,6 +35,8 @@ def vram_cap(budget: Optional[int], device: torch.device):
     if budget is None or device.type != "cuda":
         yield
         return
+    if device.index is None:  # set_per_process_memory_fraction wants an index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     try:
