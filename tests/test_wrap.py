@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
 
 import trainstream_hf as ts
+from trainstream_hf.engine.optimizer import OffloadedAdamW
 
 
 def _llama(seed=0, dtype=torch.float32):
@@ -22,7 +23,7 @@ def _batch(step, b=2, t=16):
 
 
 FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True, min_activation_bytes=0,
-             vram_budget="64GiB", host_arena=None)
+             min_offload_numel=0, vram_budget="64GiB", host_arena=None)
 
 
 def _train(model, opt, steps, *, clip=None, sched=None, accum=1, start=0):
@@ -56,7 +57,9 @@ def test_wrapped_full_finetune_matches_torch_adamw(case):
     ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
     opt = torch.optim.AdamW(model.parameters(), **kw)
     model, opt = ts.wrap(model, opt, **FORCE, grads="host" if case == "clip" else "auto")
-    assert isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(opt, OffloadedAdamW)
+    eng = ts.engine_of(model)
+    assert eng.plan.paged_blocks == [0, 1, 2] and len(eng.pager.paged_parameters()) == 27
     train = dict(clip=None, sched=None, accum=1)
     ref_train = dict(train)
     if case == "clip":
@@ -147,3 +150,54 @@ def test_plan_prints_a_table():
     pl = ts.plan(_llama(), (2, 16), vram_budget="64GiB", page_weights=True, offload_activations=True)
     text = str(pl)
     assert "predicted peak" in text and text.count("| host |") == 6  # weights and activations of 3 blocks
+
+
+def test_trace_file_and_overlap(tmp_path, monkeypatch):
+    import json
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("TRAINSTREAM_TRACE", str(path))
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **FORCE)
+    _train(model, opt, 3)
+    st = model.trainstream_stats()
+    assert 0.0 <= st["overlap"] <= 1.0 and st["copy_seconds"] > 0 and st["compute_seconds"] > 0
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["tid"] for e in events if e["ph"] == "X"}
+    assert tracks == {0, 1, 2}  # compute, h2d, d2h
+    assert any(e["name"] == "block 2 backward" for e in events)
+    ts.unwrap(model)
+
+
+def test_no_timeline_by_default():
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **FORCE)
+    _train(model, opt, 2)
+    assert model.trainstream_stats()["overlap"] is None
+    ts.unwrap(model)
+
+
+def test_failed_wrap_leaves_model_untouched():
+    model = _llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="AdamW or torch.optim.Adam"):
+        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), **FORCE)
+    assert ts.engine_of(model) is None
+    for p, q in zip(before, model.parameters()):
+        assert torch.equal(p, q)  # paged weights went back into the parameters
+    assert not model.model.layers[0]._forward_pre_hooks
+
+
+def test_exception_in_forward_then_training_goes_on():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **FORCE)
+    boom = model.model.layers[1].mlp.register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=_batch(99), labels=_batch(99)).loss.backward()
+    boom.remove()
+    opt.zero_grad()
+    _train(ref, ref_opt, 3)
+    _train(model, opt, 3)
+    ts.unwrap(model)
+    assert _max_diff(ref, model) < 1e-6

@@ -19,7 +19,7 @@ def plan(model, batch_shape, **options) -> Plan:
     return planner.plan(model, list(find_blocks(model)), batch_shape=batch_shape, vram_budget=cfg.vram_budget,
                         device=_compute_device(model), offload_optimizer=cfg.offload_optimizer, grads=cfg.grads,
                         offload_activations=cfg.offload_activations, page_weights=cfg.page_weights,
-                        slots=cfg.slots, prefetch=cfg.prefetch)
+                        slots=cfg.slots, prefetch=cfg.prefetch, min_offload_numel=cfg.min_offload_numel)
 
 
 __all__ = ["wrap", "unwrap", "plan", "engine_of", "TrainStreamConfig", "Plan", "BudgetError", "__version__"]

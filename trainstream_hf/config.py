@@ -86,6 +86,12 @@ class TrainStreamConfig:
     batch_shape: tuple | None = field(default=None, metadata={
         "help": "(batch, sequence length) of one micro-batch, for the plan's activation estimate; default "
                 "(1, min(2048, max_position_embeddings))."})
+    min_offload_numel: int = field(default=1 << 20, metadata={
+        "help": "Trainable parameters smaller than this (LoRA adapters, norms) keep their optimizer and "
+                "their weights on the device."})
+    timeline: bool = field(default=False, metadata={
+        "help": "Time every copy and block per step (overlap % in the stats; one host sync per step). "
+                "TRAINSTREAM_TRACE=file.json turns it on and writes a Chrome trace."})
     min_activation_bytes: int | str = field(default="1MiB", metadata={
         "help": "Saved tensors smaller than this stay on the device."})
 
@@ -123,6 +129,8 @@ class TrainStreamConfig:
                 raise ValueError(f"batch_shape: (batch, sequence length) of positive ints, got {self.batch_shape!r}")
             self.batch_shape = tuple(self.batch_shape)
         parse_bytes(self.min_activation_bytes, name="min_activation_bytes")
+        if not isinstance(self.min_offload_numel, int) or self.min_offload_numel < 0:
+            raise ValueError(f"min_offload_numel: an int >= 0, got {self.min_offload_numel!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

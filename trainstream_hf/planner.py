@@ -71,8 +71,8 @@ class Plan:
     grads: str = "device"
     slots: int = 0
     prefetch: int = 0
-    fixed_bytes: int = 0          # non-block weights + their grads/optimizer state on device
-    trainable_device_bytes: int = 0  # grads + optimizer state kept on the device
+    fixed_bytes: int = 0          # non-block weights + device optimizer state: held for the whole step
+    grad_bytes: int = 0           # gradients on the device at the end of backward
     logits_bytes: int = 0
     margin: int = DEFAULT_MARGIN
     pcie_bps: float = DEFAULT_PCIE_BPS
@@ -90,7 +90,12 @@ class Plan:
         return [b.index for b in self.blocks if b.activations == "host"]
 
     def predicted_peak(self) -> int:
-        """Predicted peak device bytes allocated during one training step."""
+        """Predicted peak device bytes allocated during one training step (``max_memory_allocated``).
+
+        Weights, slots and device optimizer state are held throughout. Activations peak at the end of the
+        forward pass, beside the logits; gradients peak at the end of backward, when activations are gone
+        but for the last block's. The peak is the larger of the two moments.
+        """
         resident_w = sum(b.weight_bytes for b in self.blocks if b.weights == "device")
         paged = [b.weight_bytes for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
@@ -99,8 +104,12 @@ class Plan:
         # An offloaded block's activations are on the device while it computes and while its copy runs,
         # and one block ahead is prefetched in backward: two blocks at a time.
         acts += 2 * max(host_acts, default=0)
-        return (self.fixed_bytes + resident_w + slot_bytes + acts + self.trainable_device_bytes
-                + self.logits_bytes + self.margin)
+        one_block = max((b.activation_bytes for b in self.blocks), default=0)
+        moment = max(acts + self.logits_bytes, self.grad_bytes + one_block)
+        return self.fixed_bytes + resident_w + slot_bytes + moment
+
+    def fits(self) -> bool:
+        return self.predicted_peak() + self.margin <= self.budget
 
     def pcie_bytes(self) -> int:
         return sum(b.pcie_bytes() for b in self.blocks)
@@ -121,7 +130,8 @@ class Plan:
             lines.append(f"| {b.index} | {b.weights} | {b.weight_bytes / mib:.1f} | {b.activations} | "
                          f"{b.activation_bytes / mib:.1f} | {b.pcie_bytes() / mib:.1f} | "
                          f"{1e3 * b.pcie_bytes() / self.pcie_bps:.2f} |")
-        lines.append(f"non-block weights and device optimizer: {self.fixed_bytes / GiB:.2f} GiB; logits "
+        lines.append(f"non-block weights and device optimizer: {self.fixed_bytes / GiB:.2f} GiB; gradients "
+                     f"{self.grad_bytes / GiB:.2f} GiB; logits "
                      f"{self.logits_bytes / GiB:.2f} GiB; margin {self.margin / GiB:.2f} GiB; PCIe "
                      f"{self.pcie_bytes() / GiB:.2f} GiB/step; step floor {self.predicted_step_floor():.3f} s")
         return "\n".join(lines)
@@ -168,6 +178,55 @@ def activation_bytes_per_token(config, dtype_bytes: int) -> int:
     return elems * dtype_bytes + 8
 
 
+class _Stop(Exception):
+    """Ends the measuring forward pass after the first block."""
+
+
+def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int],
+                             device: torch.device) -> int | None:
+    """Bytes of the tensors ``block`` saves for backward, measured on a random batch of ``batch_shape``.
+
+    Runs the model's forward pass on random token ids only as far as the end of ``block`` (a forward hook
+    stops it there), counting every saved tensor that is not a parameter once per storage. Costs the
+    embedding and one block's activations of device memory, for a moment. Returns None when the model
+    takes no ``input_ids`` (no ``config.vocab_size``).
+    """
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not vocab:
+        return None
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def pre(module, args):
+        ctx.__enter__()
+
+    def post(module, args, out):
+        ctx.__exit__(None, None, None)
+        raise _Stop
+
+    ids = torch.randint(0, int(vocab), tuple(batch_shape), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+    handles = [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    try:
+        with torch.enable_grad():
+            model(input_ids=ids)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen.values())
+
+
 def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -175,7 +234,8 @@ def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
 def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[int, int], vram_budget,
          device: torch.device | str | None = None, offload_optimizer="auto", grads="auto",
          offload_activations="auto", page_weights="auto", slots: int = 2, prefetch: int = 1,
-         margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL) -> Plan:
+         margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL,
+         activation_bytes: int | None = None) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -189,6 +249,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         slots, prefetch: device slots of the weight ring and how many blocks ahead they are filled.
         margin: device bytes kept free for workspaces.
         min_offload_numel: trainable parameters smaller than this keep their optimizer on the device.
+        activation_bytes: saved-tensor bytes of one block for one micro-batch, measured (see
+            :func:`measure_activation_bytes`); None: the analytic estimate.
 
     Raises:
         BudgetError: when even the most offloaded plan does not fit, with the minimum it needs.
@@ -209,6 +271,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         vocab = getattr(config, "vocab_size", 0) or 0
     else:
         per_block_act, vocab = 0, 0
+    if activation_bytes is not None:
+        per_block_act = int(activation_bytes)
     block_plans = []
     for i, b in enumerate(blocks):
         params = list(b.parameters())
@@ -218,9 +282,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     logits = tokens * vocab * (act_dtype_bytes + 4 + 4)
     nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)
 
-    def opt_state_bytes(params) -> int:
-        # The device optimizer keeps exp_avg and exp_avg_sq in the parameter's dtype, plus the gradient.
-        return sum(p.numel() * p.element_size() * 3 for p in params)
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
 
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel)
@@ -231,22 +294,21 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         pl.offload_numel = sum(p.numel() for p in big_params) if offload_opt else 0
         pl.grads = "host" if (offload_opt and grads_host and big_params) else "device"
         device_trainable = [p for _, p in small] + ([] if offload_opt else big_params)
-        dev = opt_state_bytes(device_trainable)
+        # The device optimizer keeps exp_avg and exp_avg_sq in the parameter's dtype.
+        pl.fixed_bytes = nonblock_w + 2 * nbytes(device_trainable)
+        grads_b = nbytes(device_trainable)
         if offload_opt:
-            grads_b = [p.numel() * p.element_size() for p in big_params]
             # host grads: at most one block's worth in flight; device grads: all of them until step().
-            per_block = max((sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
-                             for b in blocks), default=0)
-            dev += per_block if grads_host else sum(grads_b)
-        pl.trainable_device_bytes = dev
-        pl.fixed_bytes = nonblock_w
+            per_block = max((nbytes(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
+            grads_b += per_block if grads_host else nbytes(big_params)
+        pl.grad_bytes = grads_b
 
     choices_opt = [False, True] if offload_optimizer == "auto" else [bool(offload_optimizer)]
     choices_grads = {"auto": [False, True], "device": [False], "host": [True]}[grads]
     for opt in choices_opt:
         for gh in (choices_grads if opt else [False]):
             settle(opt, gh)
-            if pl.predicted_peak() <= budget:
+            if pl.fits():
                 break
         else:
             continue
@@ -256,20 +318,21 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             b.activations = "host"
     elif offload_activations == "auto":
         for b in block_plans:
-            if pl.predicted_peak() <= budget:
+            if pl.fits():
                 break
             b.activations = "host"
-    if page_weights is True or (page_weights == "auto" and pl.predicted_peak() > budget):
+    if page_weights is True or (page_weights == "auto" and not pl.fits()):
         if prefetch >= slots:
             raise ValueError(f"prefetch ({prefetch}) must be below slots ({slots}): a slot is refilled only "
                              "after the block in it has run")
         pl.slots, pl.prefetch = slots, prefetch
         for b in block_plans:
-            if page_weights == "auto" and pl.predicted_peak() <= budget:
+            if page_weights == "auto" and pl.fits():
                 break
             b.weights = "host"
-    if pl.predicted_peak() > budget:
+    if not pl.fits():
         raise BudgetError(
             f"vram_budget {budget / GiB:.2f} GiB is below the minimum this model needs with every block's "
-            f"weights and activations in host RAM: {pl.predicted_peak() / GiB:.2f} GiB predicted\n{pl}")
+            f"weights and activations in host RAM: {(pl.predicted_peak() + pl.margin) / GiB:.2f} GiB predicted "
+            f"(with a {pl.margin / GiB:.2f} GiB margin)\n{pl}")
     return pl

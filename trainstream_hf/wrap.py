@@ -7,7 +7,6 @@ AdamW. ``unwrap`` takes it all out again and leaves an ordinary model holding th
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ from trainstream_hf.engine.blocks import find_blocks
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
 from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.engine.streams import TransferStreams
+from trainstream_hf.engine.trace import Timeline
 from trainstream_hf.engine.weights import WeightPager
 
 __all__ = ["wrap", "unwrap", "Engine", "engine_of"]
@@ -31,7 +31,7 @@ _ATTR = "_trainstream_engine"
 
 
 class _StepClock(BlockListener):
-    """Marks the start of each step (forward of block 0) for the per-step statistics."""
+    """Marks the start of each step (forward of block 0) and, when tracing, each block's compute."""
 
     pack_priority = 100
 
@@ -40,6 +40,18 @@ class _StepClock(BlockListener):
 
     def step_start(self) -> None:
         self.engine._begin_step()
+
+    def forward_start(self, i: int) -> None:
+        if self.engine.timeline is not None:
+            self.engine.timeline.block("forward", i, end=False)
+
+    def forward_end(self, i: int) -> None:
+        if self.engine.timeline is not None:
+            self.engine.timeline.block("forward", i, end=True)
+
+    def backward_start(self, i: int) -> None:
+        if self.engine.timeline is not None:
+            self.engine.timeline.block("backward", i, end=False)
 
 
 class Engine:
@@ -54,8 +66,9 @@ class Engine:
         self.steps = 0
         self._t0: float | None = None
         self._last: dict = {}
-        self._trace_path = os.environ.get("TRAINSTREAM_TRACE") or None
-        self._trace: list[dict] = []
+        trace_path = os.environ.get("TRAINSTREAM_TRACE") or None
+        self.timeline = Timeline(streams.device, trace_path) if (trace_path or config.timeline) else None
+        streams.timeline = self.timeline
         hooks.add(_StepClock(self))
 
     # -- statistics -------------------------------------------------------------------------------
@@ -66,6 +79,8 @@ class Engine:
         self._t0 = now
         if self.streams.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.streams.device)
+        if self.timeline is not None:
+            self.timeline.start_step()
 
     def _close_step(self, now: float) -> None:
         dt = now - self._t0
@@ -79,16 +94,15 @@ class Engine:
         if self.streams.is_cuda:
             s["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.streams.device)
             s["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.streams.device)
+        s["overlap"] = None  # measured only with the timeline on (it costs a host sync per step)
+        if self.timeline is not None:
+            fig = self.timeline.close_step(self.steps)
+            s.update({k: v for k, v in fig.items()})
         for name, part in (("weights", self.pager), ("activations", self.offloader), ("optimizer", self.optimizer)):
             if part is not None and hasattr(part, "stats"):
                 s[name] = part.stats()
         self._last = s
         self.steps += 1
-        if self._trace_path:
-            self._trace.append({"name": f"step {s['step']}", "ph": "X", "ts": self._t0 * 1e6, "dur": dt * 1e6,
-                                "pid": 0, "tid": 0, "args": {k: v for k, v in s.items() if not isinstance(v, dict)}})
-            with open(self._trace_path, "w") as f:
-                json.dump({"traceEvents": self._trace}, f)
 
     def stats(self) -> dict:
         """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part)."""
@@ -103,6 +117,7 @@ class Engine:
         if self.offloader is not None:
             self.offloader.close()
         self.hooks.remove()
+        self.streams.timeline = None
         self.streams.synchronize()
         for name in (_ATTR, "trainstream_stats", "trainstream_plan"):
             self.model.__dict__.pop(name, None)
@@ -156,10 +171,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     device = _compute_device(model)
     blocks = find_blocks(model)
     batch_shape = config.batch_shape or _default_batch_shape(model)
+    # Measured, not estimated: the analytic formula missed LoRA's and the norms' saved tensors by ~40% on
+    # the H200 (benchmarks/NOTES.md, 2026-12-03).
+    act_bytes = planner.measure_activation_bytes(model, blocks[0], batch_shape, device)
     pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
                       offload_optimizer=config.offload_optimizer if optimizer is not None else False,
                       grads=config.grads, offload_activations=config.offload_activations,
-                      page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch)
+                      page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
+                      activation_bytes=act_bytes, min_offload_numel=config.min_offload_numel)
     streams = TransferStreams(device)
     arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
                       pinned=None if config.host_arena not in (None, 0) else False,

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import trainstream_hf as ts
 
 FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True, min_activation_bytes=0,
-             vram_budget="64GiB")
+             min_offload_numel=0, vram_budget="64GiB")
 
 
 def _llama(dtype, layers=4):
@@ -59,6 +59,7 @@ def test_offloaded_adamw_with_paging_matches_torch_cuda(grads):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = ts.wrap(model, opt, **FORCE, grads=grads)
+    assert type(opt).__name__ == "OffloadedAdamW" and ts.engine_of(model).pager.paged_parameters()
     for s in range(20):
         for m, o in ((ref, ref_opt), (model, opt)):
             ids = _ids(s)

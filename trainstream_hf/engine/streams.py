@@ -70,6 +70,7 @@ class TransferStreams:
             self.h2d = self.d2h = None
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self.timeline = None  # an engine.trace.Timeline while a step is being traced
 
     def _record(self, stream) -> "torch.cuda.Event":
         event = torch.cuda.Event()
@@ -96,11 +97,15 @@ class TransferStreams:
         if out is not None and (out.shape != src.shape or out.dtype != src.dtype or out.device != self.device):
             raise ValueError(f"to_device: out must be {tuple(src.shape)} {src.dtype} on {self.device}, got "
                              f"{tuple(out.shape)} {out.dtype} on {out.device}")
-        self.h2d_bytes += src.numel() * src.element_size()
+        nbytes = src.numel() * src.element_size()
+        self.h2d_bytes += nbytes
+        tl = self.timeline
         if not self.is_cuda:
-            if out is None:
-                return Transfer(src.clone(), None)
-            return Transfer(out.copy_(src), None)
+            iv = tl.begin("h2d", "h2d", nbytes) if tl is not None else None
+            res = src.clone() if out is None else out.copy_(src)
+            if iv is not None:
+                tl.end(iv)
+            return Transfer(res, None)
         producer = torch.cuda.current_stream(self.device)
         if out is not None:
             if after is not None:
@@ -110,7 +115,10 @@ class TransferStreams:
         with torch.cuda.stream(self.h2d):
             if out is None:
                 out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            iv = tl.begin("h2d", "h2d", nbytes, self.h2d) if tl is not None else None
             out.copy_(src, non_blocking=True)
+            if iv is not None:
+                tl.end(iv, self.h2d)
         return Transfer(out, self._record(self.h2d))
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor) -> Transfer:
@@ -125,13 +133,21 @@ class TransferStreams:
         if out.shape != src.shape or out.dtype != src.dtype:
             raise ValueError(f"to_host: out is {tuple(out.shape)} {out.dtype}, src is {tuple(src.shape)} "
                              f"{src.dtype}")
-        self.d2h_bytes += src.numel() * src.element_size()
+        nbytes = src.numel() * src.element_size()
+        self.d2h_bytes += nbytes
+        tl = self.timeline
         if not self.is_cuda or src.device.type == "cpu":
+            iv = tl.begin("d2h", "d2h", nbytes) if tl is not None else None
             out.copy_(src)
+            if iv is not None:
+                tl.end(iv)
             return Transfer(out, None)
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
+            iv = tl.begin("d2h", "d2h", nbytes, self.d2h) if tl is not None else None
             out.copy_(src, non_blocking=True)
+            if iv is not None:
+                tl.end(iv, self.d2h)
         src.record_stream(self.d2h)
         return Transfer(out, self._record(self.d2h))
 
