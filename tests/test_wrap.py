@@ -201,3 +201,42 @@ def test_exception_in_forward_then_training_goes_on():
     _train(model, opt, 3)
     ts.unwrap(model)
     assert _max_diff(ref, model) < 1e-6
+
+
+@pytest.mark.parametrize("grads", ["device", "host"])
+@pytest.mark.parametrize("slow", [False, True])
+def test_overlapped_step_matches_torch(grads, slow, monkeypatch):
+    """optimizer.step() returning before the CPU update is done: same numbers (CPU threads here). With
+    ``slow`` every CPU update sleeps first, so a forward that did not wait for its weights would read the old
+    ones and the test would fail."""
+    if slow:
+        import time
+        from trainstream_hf.engine import optimizer as opt_mod
+        real = opt_mod.ops.adamw_step_
+
+        def sleepy(*a, **k):
+            time.sleep(0.002)
+            return real(*a, **k)
+        monkeypatch.setattr(opt_mod.ops, "adamw_step_", sleepy)
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, opt = ts.wrap(model, opt, offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB",
+                         host_arena=None, overlap_step=True, grads=grads)
+    assert opt.overlap_step and opt._worker is None
+    sched = get_linear_schedule_with_warmup(opt, 3, 10)
+    ref_sched = get_linear_schedule_with_warmup(ref_opt, 3, 10)
+    la = _train(ref, ref_opt, 10, sched=ref_sched, accum=2)
+    lb = _train(model, opt, 10, sched=sched, accum=2)
+    assert opt._worker is not None  # the updates did run on the worker thread
+    ts.unwrap(model)
+    assert _max_diff(ref, model) < 1e-6
+    assert max(abs(a.item() - b.item()) for a, b in zip(la, lb)) < 1e-5
+
+
+def test_overlap_with_trainable_paged_weights_is_refused():
+    model = _llama()
+    with pytest.raises(ValueError, match="overlap_step cannot be combined with param_sink"):
+        ts.wrap(model, torch.optim.AdamW(model.parameters()), **FORCE, overlap_step=True)
+    assert ts.engine_of(model) is None

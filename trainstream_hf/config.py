@@ -89,6 +89,10 @@ class TrainStreamConfig:
     min_offload_numel: int = field(default=1 << 20, metadata={
         "help": "Trainable parameters smaller than this (LoRA adapters, norms) keep their optimizer and "
                 "their weights on the device."})
+    overlap_step: str | bool = field(default="auto", metadata={
+        "help": "optimizer.step() returns at once and the CPU AdamW runs while the next forward starts, each "
+                "block waiting for its own new weights: 'auto' (on CUDA, unless weights are paged and "
+                "trainable), True or False."})
     timeline: bool = field(default=False, metadata={
         "help": "Time every copy and block per step (overlap % in the stats; one host sync per step). "
                 "TRAINSTREAM_TRACE=file.json turns it on and writes a Chrome trace."})
@@ -115,7 +119,7 @@ class TrainStreamConfig:
             raise ValueError(f"staging_threads: an int >= 0, got {self.staging_threads!r}")
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
-        for name in ("offload_optimizer", "offload_activations", "page_weights"):
+        for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if self.grads not in ("auto", "device", "host"):

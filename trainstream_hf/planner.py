@@ -206,10 +206,14 @@ def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tu
 
     ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
+    entered = []
+
     def pre(module, args):
         ctx.__enter__()
+        entered.append(True)
 
     def post(module, args, out):
+        entered.pop()
         ctx.__exit__(None, None, None)
         raise _Stop
 
@@ -224,6 +228,8 @@ def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tu
     finally:
         for h in handles:
             h.remove()
+        if entered:  # the block raised (e.g. out of memory): don't leave `pack` on every later backward
+            ctx.__exit__(None, None, None)
     return sum(seen.values())
 
 

@@ -54,6 +54,18 @@ class _StepClock(BlockListener):
             self.engine.timeline.block("backward", i, end=False)
 
 
+class _StepWaiter(BlockListener):
+    """Before block i runs, waits for the overlapped optimizer step to have issued block i's new weights."""
+
+    pack_priority = 90
+
+    def __init__(self, optimizer: OffloadedAdamW, block_params: list[list[nn.Parameter]]):
+        self.optimizer, self.block_params = optimizer, block_params
+
+    def forward_start(self, i: int) -> None:
+        self.optimizer.wait_for(self.block_params[i])
+
+
 class Engine:
     """Everything ``wrap`` installed on one model; reach it with :func:`engine_of`."""
 
@@ -108,6 +120,23 @@ class Engine:
         """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part)."""
         return dict(self._last)
 
+    # -- overlapped optimizer step -------------------------------------------------------------------
+    def install_step_overlap(self, blocks) -> None:
+        """The next forward waits for each offloaded parameter's new value just before it is used: the
+        non-block ones (embeddings, head) when the model's forward starts, block i's at block i. The end of
+        the forward waits for the CPU step to finish, so backward never races it."""
+        opt = self.optimizer
+        block_params = [list(b.parameters()) for b in blocks]
+        in_blocks = {id(p) for ps in block_params for p in ps}
+        other = [p for p in self.model.parameters() if id(p) not in in_blocks]
+        # Embeddings and head first (the forward needs the embedding before block 0), then block by block.
+        opt.set_step_order(other + [p for ps in block_params for p in ps])
+        self._overlap_handles = [
+            self.model.register_forward_pre_hook(lambda m, a: opt.wait_for(other)),
+            self.model.register_forward_hook(lambda m, a, o: opt.synchronize(), always_call=True)]
+        self._step_waiter = _StepWaiter(opt, block_params)
+        self.hooks.add(self._step_waiter)
+
     # -- removal ----------------------------------------------------------------------------------
     def unwrap(self) -> nn.Module:
         if isinstance(self.optimizer, OffloadedAdamW):
@@ -116,6 +145,8 @@ class Engine:
             self.pager.unwrap()  # host copies (updated by the optimizer through the sinks) -> device
         if self.offloader is not None:
             self.offloader.close()
+        for h in getattr(self, "_overlap_handles", []):
+            h.remove()
         self.hooks.remove()
         self.streams.timeline = None
         self.streams.synchronize()
@@ -205,8 +236,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
                 grads_mode = "host" if (pl.grads == "host" or sinks) else "device"
                 pl.grads = grads_mode
+                overlap = config.overlap_step
+                if overlap == "auto":
+                    overlap = streams.is_cuda and not sinks
                 new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=grads_mode,
-                                         param_sink=sinks)
+                                         param_sink=sinks, overlap_step=bool(overlap))
     except BaseException:
         # Nothing half-installed survives a failed wrap: the model goes back to how it came in.
         if pager is not None:
@@ -218,6 +252,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
+    if isinstance(new_opt, OffloadedAdamW) and new_opt.overlap_step:
+        engine.install_step_overlap(blocks)
     model.__dict__[_ATTR] = engine
     model.__dict__["trainstream_stats"] = engine.stats
     model.__dict__["trainstream_plan"] = pl

@@ -18,8 +18,10 @@ The object *is* a ``torch.optim.Optimizer`` sharing the user's param-group dicts
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
@@ -39,7 +41,8 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class _Slot:
     """Host state of one offloaded parameter (all buffers flat, contiguous, in the arena)."""
 
-    __slots__ = ("param", "shape", "group", "master", "exp_avg", "exp_avg_sq", "step", "out", "sink", "last_h2d")
+    __slots__ = ("param", "shape", "group", "master", "exp_avg", "exp_avg_sq", "step", "out", "sink", "last_h2d",
+                 "ready")
 
     def __init__(self, param: nn.Parameter, group: int, arena: HostArena, sink: torch.Tensor | None):
         # a paged parameter's data may be an empty placeholder: its sink has the true shape
@@ -55,6 +58,8 @@ class _Slot:
         # the H2D source in the device dtype; an fp32 parameter is copied straight from the master
         self.out = arena.empty([n], param.dtype) if sink is None and param.dtype != torch.float32 else None
         self.last_h2d: Transfer | None = None  # the copy that may still read master / out
+        self.ready = threading.Event()  # set once this step's new weight is written / its copy issued
+        self.ready.set()
         self.reset()
 
     def reset(self) -> None:
@@ -111,6 +116,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         param_sink: for parameters paged from host by the weight pager: a host tensor of the parameter's
             dtype and numel that receives the updated weight instead of ``p.data``, which is never touched.
         grad_staging_slots: host mode: staging ring size for accumulated gradients (see ``grads.py``).
+        overlap_step: ``step()`` returns once the gradients' copies and the device optimizer are queued;
+            a background thread runs the CPU updates in parameter order while the next forward starts. The
+            consumer must call :meth:`wait_for` before a parameter is used (``wrap`` installs hooks that do)
+            and :meth:`synchronize` before reading weights on the host. Not with ``param_sink`` (a pager
+            would copy a sink before the thread writes it).
 
     Raises:
         TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
@@ -124,7 +134,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, offload: Iterable[nn.Parameter], *, arena: HostArena,
                  streams: TransferStreams, grads: str = "device",
-                 param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4):
+                 param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4,
+                 overlap_step: bool = False):
         if type(optimizer) not in _SUPPORTED:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -157,6 +168,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._scratch: torch.Tensor | None = None  # fp32 work buffer for fp16 grads and Adam's L2 term
         self._device_opt, self._device_groups = self._build_device_optimizer(
             [p for p in params if p not in offloaded])
+        if overlap_step and sinks:
+            raise ValueError("overlap_step cannot be combined with param_sink: paged weights are copied from "
+                             "their sinks ahead of use, before an overlapped update would have written them")
+        self.overlap_step = bool(overlap_step)
+        self._step_order: list[_Slot] | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
         self._released = False
         self._steps = 0
         self._h2d_bytes = self._d2h_mark = 0
@@ -237,6 +255,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._released:
             raise RuntimeError("OffloadedAdamW.step() after release()")
+        self.synchronize()  # an overlapped previous step must be complete (and its error raised)
         hyper = [_hyper(self._cls, g) for g in self.param_groups]
         self._grads.check_device_grads()  # nothing below runs on bad input
         t_step = time.perf_counter()
@@ -254,23 +273,38 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for g, dg in self._device_groups:
                 dg.update({k: v for k, v in g.items() if k != "params"})
             self._device_opt.step()
+        if self.overlap_step:
+            for slot in self._slots.values():
+                slot.ready.clear()
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="trainstream-adamw")
+            self._pending = self._worker.submit(self._host_steps, hyper, compute_done, sink_free, t_step)
+        else:
+            self._host_steps(hyper, compute_done, sink_free, t_step)
+        return loss
+
+    def _host_steps(self, hyper, compute_done, sink_free, t_step) -> None:
+        """The CPU updates of every offloaded parameter, in order (inline, or on the worker thread)."""
+        cuda = self.streams.is_cuda
         done = 0
         try:
-            for done, slot in enumerate(self._slots.values()):
+            for done, slot in enumerate(self._step_order or self._slots.values()):
                 grad = self._grads.take(slot.param)
-                if grad is None:
-                    continue  # torch skips a parameter without a gradient, step count included
-                if sink_free is not None and slot.sink is not None:
-                    sink_free.synchronize()
-                    sink_free = None
-                self._step_slot(slot, grad, hyper[slot.group], compute_done)
+                if grad is not None:  # torch skips a parameter without a gradient, step count included
+                    if sink_free is not None and slot.sink is not None:
+                        sink_free.synchronize()
+                        sink_free = None
+                    self._step_slot(slot, grad, hyper[slot.group], compute_done)
+                slot.ready.set()
             done = len(self._slots)
         except Exception as e:
             raise RuntimeError(f"OffloadedAdamW.step failed on offloaded parameter {done} of {len(self._slots)}; "
                                "the offloaded parameters before it and the device parameters were already "
                                "updated") from e
         finally:
-            if cuda:
+            for slot in self._slots.values():
+                slot.ready.set()  # waiters must not hang on an error; synchronize() re-raises it
+            if cuda and not self.overlap_step:
                 # the next forward reads the new weights: order it after the copies, without a host sync
                 torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
             self._grads.consume()
@@ -282,7 +316,39 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 "step_seconds": time.perf_counter() - t_step}
             self._d2h_mark = self._grads.d2h_bytes
             self._sync_state()
-        return loss
+
+    # -- overlapped steps -------------------------------------------------------------------------
+    def set_step_order(self, params: Iterable[nn.Parameter]) -> None:
+        """Updates offloaded parameters in this order (the order the next forward uses them), so that an
+        overlapped step has block 0 ready first. Parameters not listed follow in their own order."""
+        listed = [self._slots[p] for p in dict.fromkeys(params) if p in self._slots]
+        seen = {id(s) for s in listed}
+        self._step_order = listed + [s for s in self._slots.values() if id(s) not in seen]
+
+    def wait_for(self, params: Iterable[nn.Parameter]) -> None:
+        """Makes the current stream wait for the new values of ``params`` (offloaded ones; others are
+        ignored). Blocks the host only until the worker has issued their copies, never for the copies."""
+        if self._pending is None:
+            return
+        for p in params:
+            slot = self._slots.get(p)
+            if slot is None:
+                continue
+            slot.ready.wait()
+            h2d = slot.last_h2d
+            if h2d is not None and h2d.event is not None:
+                torch.cuda.current_stream(self.streams.device).wait_event(h2d.event)
+        if self._pending.done():
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Waits for an overlapped step to finish on the host and re-raises its error, if any. The next
+        forward still needs :meth:`wait_for` (or a stream wait) for the device copies."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            if self.streams.is_cuda:
+                torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
 
     def _step_slot(self, slot: _Slot, grad: torch.Tensor, h: dict, compute_done) -> None:
         p, n = slot.param, slot.master.numel()
@@ -330,6 +396,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         Returns:
             The total norm before clipping, on the device of the first gradient.
         """
+        self.synchronize()
         host = self._grads.host_grads()
         tensors = [host[p] if p in host else p.grad for g in self.param_groups for p in g["params"]
                    if p in host or p.grad is not None]
@@ -352,9 +419,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
     clip_grad_norm = clip_grad_norm_  # the name some trainers look for on the optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Resets device gradients as torch does and marks host gradients empty."""
+        """Resets device gradients as torch does and marks host gradients empty.
+
+        Does not wait for an overlapped step (the usual ``step(); zero_grad()`` must not block): its
+        gradients were copied before ``step()`` returned, and it consumes them itself when done."""
         super().zero_grad(set_to_none)
-        self._grads.consume()
+        if self._pending is None:
+            self._grads.consume()
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -363,6 +434,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
         Offloaded entries are CPU views of the live host state, as torch returns live tensors.
         """
+        self.synchronize()
         self._sync_state()
         return super().state_dict()
 
@@ -373,6 +445,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         offloaded parameter without 'master' takes its master weight from its current value, so load the
         model weights first.
         """
+        self.synchronize()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
@@ -414,12 +487,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- weights --------------------------------------------------------------------------------
     def master_params(self) -> dict[nn.Parameter, torch.Tensor]:
         """The fp32 master weight of each offloaded parameter (a host view shaped like it; live)."""
+        self.synchronize()
         return {p: s.master.view(s.shape) for p, s in self._slots.items()}
 
     @torch.no_grad()
     def load_master_from_params(self) -> None:
         """Re-reads every master weight from its parameter (or sink): call after loading model weights
         into an already-wrapped model, or the next step would write the old weights back."""
+        self.synchronize()
         for s in self._slots.values():
             s.read_param()
 
@@ -427,6 +502,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def release(self) -> None:
         """Writes the fp32 masters into the parameters (or sinks), cast to their dtype, and removes the
         gradient hooks. The optimizer cannot step afterwards; host gradients not yet stepped are dropped."""
+        self.synchronize()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
         for p, s in self._slots.items():
             s.wait_h2d()
             dst = s.sink if s.sink is not None else p.data
