@@ -101,9 +101,11 @@ class Plan:
         slot_bytes = self.slots * max(paged, default=0)
         acts = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
         host_acts = [b.activation_bytes for b in self.blocks if b.activations == "host"]
-        # An offloaded block's activations are on the device while it computes and while its copy runs,
-        # and one block ahead is prefetched in backward: two blocks at a time.
-        acts += 2 * max(host_acts, default=0)
+        # Offloaded blocks are the first ones. An offloaded block's activations are on the device while it
+        # computes and while its copy runs, and in backward one block ahead is prefetched: two blocks at a
+        # time, but only before the kept blocks' activations exist (forward) or after they are freed
+        # (backward), so the two do not add up.
+        acts = max(acts, 2 * max(host_acts, default=0))
         one_block = max((b.activation_bytes for b in self.blocks), default=0)
         moment = max(acts + self.logits_bytes, self.grad_bytes + one_block)
         return self.fixed_bytes + resident_w + slot_bytes + moment
@@ -304,9 +306,12 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         pl.fixed_bytes = nonblock_w + 2 * nbytes(device_trainable)
         grads_b = nbytes(device_trainable)
         if offload_opt:
-            # host grads: at most one block's worth in flight; device grads: all of them until step().
+            # host grads: at most one block's worth in flight, or one whole non-block tensor (embedding,
+            # head); device grads: all of them until step().
             per_block = max((nbytes(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
-            grads_b += per_block if grads_host else nbytes(big_params)
+            nonblock_big = max((p.numel() * p.element_size() for p in big_params if id(p) not in block_ids),
+                               default=0)
+            grads_b += max(per_block, nonblock_big) if grads_host else nbytes(big_params)
         pl.grad_bytes = grads_b
 
     choices_opt = [False, True] if offload_optimizer == "auto" else [bool(offload_optimizer)]

@@ -1,0 +1,315 @@
+"""planner: measured activation bytes, the placement decisions for a budget, the predicted peak, budgets.
+
+Budgets are built from the model's own plan (its predicted peak, one block's weights or activations), so
+the tests hold whatever the estimates' constants are; what they pin down is the order of decisions and the
+contract of ``predicted_peak``.
+"""
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainstream_hf import planner
+from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.engine.blocks import find_blocks
+from trainstream_hf.planner import GiB, BudgetError
+
+CPU = torch.device("cpu")
+SHAPE = (1, 128)
+HUGE = 1 << 50  # a budget nothing needs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The test machine is small and shared; tiny models gain nothing from intra-op threads.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _llama(dtype=torch.float32, layers=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def _ids(b=2, t=32, seed=7):
+    return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _saved_tensor_hooks_installed() -> bool:
+    # No public accessor: the top of autograd's thread-local saved-tensors-hooks stack (None when empty).
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _plan(model, **kw):
+    kw.setdefault("vram_budget", HUGE)
+    kw.setdefault("batch_shape", SHAPE)
+    return planner.plan(model, list(find_blocks(model)), device=CPU, **kw)
+
+
+# -- measure_activation_bytes -----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_activations_scale_with_tokens(dtype):
+    model = _llama(dtype)
+    block = find_blocks(model)[0]
+    one = planner.measure_activation_bytes(model, block, (1, 128), CPU)
+    assert one > 0
+    # Not smaller than the analytic count of the block's saved tensors (which leaves out LoRA, masks, rope).
+    assert one >= planner.activation_bytes_per_token(model.config, dtype.itemsize) * 128 * 0.9
+    for shape in [(1, 256), (2, 128)]:
+        two = planner.measure_activation_bytes(model, block, shape, CPU)
+        assert 1.8 <= two / one <= 2.2, (shape, one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_activations_follow_what_trains(dtype):
+    """Frozen base: no graph, nothing saved. Norms trainable: some. LoRA adds its adapters' inputs."""
+    frozen = _llama(dtype)
+    frozen.requires_grad_(False)
+    assert planner.measure_activation_bytes(frozen, find_blocks(frozen)[0], SHAPE, CPU) == 0
+
+    norms = _llama(dtype)
+    for n, p in norms.named_parameters():
+        p.requires_grad_("norm" in n)
+    with_norms = planner.measure_activation_bytes(norms, find_blocks(norms)[0], SHAPE, CPU)
+
+    base = _llama(dtype)
+    for n, p in base.named_parameters():
+        p.requires_grad_("norm" in n)
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    for n, p in lora.named_parameters():  # same base trainables as `norms`, plus the adapters
+        if "norm" in n:
+            p.requires_grad_(True)
+    with_lora = planner.measure_activation_bytes(lora, find_blocks(lora)[0], SHAPE, CPU)
+    assert 0 < with_norms < with_lora, (with_norms, with_lora)
+
+
+def test_measuring_leaves_the_model_as_it_was():
+    model = _llama()
+    ref = copy.deepcopy(model)
+    blocks = find_blocks(model)
+    assert not blocks[0]._forward_hooks and not blocks[0]._forward_pre_hooks
+    rng = torch.get_rng_state()
+    assert planner.measure_activation_bytes(model, blocks[0], SHAPE, CPU) > 0
+    assert torch.equal(rng, torch.get_rng_state())  # the user's seeded run is not perturbed
+    for b in blocks:
+        assert not b._forward_hooks and not b._forward_pre_hooks
+    assert not _saved_tensor_hooks_installed()
+    ids = _ids()
+    la = model(input_ids=ids, labels=ids).loss
+    lb = ref(input_ids=ids, labels=ids).loss
+    assert torch.equal(la, lb)
+    la.backward()
+    lb.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_measuring_cleans_up_when_the_block_raises():
+    model = _llama()
+    block = find_blocks(model)[0]
+
+    def boom(module, args, out):
+        raise RuntimeError("boom")
+
+    h = block.mlp.register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            planner.measure_activation_bytes(model, block, SHAPE, CPU)
+    finally:
+        h.remove()
+    assert not block._forward_hooks and not block._forward_pre_hooks
+    assert not _saved_tensor_hooks_installed()
+
+
+# -- plan(): decisions for a budget ------------------------------------------------------------------------
+def test_generous_budget_moves_nothing():
+    model = _llama()
+    pl = _plan(model)
+    assert pl.fits()
+    assert pl.offload_optimizer == [] and pl.offload_numel == 0 and pl.grads == "device"
+    assert pl.paged_blocks == [] and pl.offloaded_activation_blocks == []
+    assert pl.slots == 0 and pl.pcie_bytes() == 0
+    # Exactly enough is still enough (fits is <=).
+    tight = _plan(model, vram_budget=pl.predicted_peak() + pl.margin)
+    assert tight.paged_blocks == [] and tight.offloaded_activation_blocks == []
+
+
+def _assert_minimal_prefix(pl, attr, place="host"):
+    moved = [b.index for b in pl.blocks if getattr(b, attr) == place]
+    assert moved == list(range(len(moved))), moved  # the first blocks first
+    assert pl.fits()
+    # Minimal: with the last moved block back on the device the plan would not fit.
+    back = copy.deepcopy(pl)
+    setattr(back.blocks[len(moved) - 1], attr, "device")
+    if attr == "weights" and len(moved) == 1:
+        back.slots = 0
+    assert not back.fits()
+    return moved
+
+
+def test_budget_fitting_weights_but_not_activations_offloads_first_activations():
+    model = _llama()
+    full = _plan(model, offload_optimizer=False)
+    a = full.blocks[0].activation_bytes
+    budget = full.margin + full.predicted_peak() - a
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False)
+    moved = _assert_minimal_prefix(pl, "activations")
+    assert 0 < len(moved) < len(pl.blocks)
+    assert pl.paged_blocks == [] and pl.slots == 0
+
+
+def test_smaller_budget_pages_weights_too():
+    model = _llama()
+    acts_out = _plan(model, offload_optimizer=False, offload_activations=True)
+    w = acts_out.blocks[0].weight_bytes
+    budget = acts_out.margin + acts_out.predicted_peak() - w
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0)
+    assert pl.offloaded_activation_blocks == list(range(len(pl.blocks)))
+    moved = _assert_minimal_prefix(pl, "weights")
+    assert 0 < len(moved) < len(pl.blocks)
+    assert (pl.slots, pl.prefetch) == (2, 0)
+
+
+def test_below_the_minimum_raises_with_the_minimum():
+    model = _llama()
+    kw = dict(min_offload_numel=1000)
+    lowest = _plan(model, offload_optimizer=True, grads="host", offload_activations=True, page_weights=True, **kw)
+    minimum = lowest.predicted_peak() + lowest.margin
+    assert minimum < _plan(model, **kw).predicted_peak() + lowest.margin  # offloading buys something
+    at = _plan(model, vram_budget=minimum, **kw)  # exactly the minimum fits
+    assert at.fits() and at.predicted_peak() == lowest.predicted_peak()
+    with pytest.raises(BudgetError, match="below the minimum") as e:
+        _plan(model, vram_budget=minimum - 1, **kw)
+    assert f"{minimum / GiB:.2f} GiB predicted" in str(e.value)
+    assert "| block |" in str(e.value)  # the table of the plan that did not fit
+
+
+def test_offload_optimizer_lists_every_large_trainable_parameter():
+    model = _llama()
+    min_numel = 2000
+    pl = _plan(model, offload_optimizer=True, min_offload_numel=min_numel)
+    big = {n: p.numel() for n, p in model.named_parameters() if p.numel() >= min_numel}
+    assert sorted(pl.offload_optimizer) == sorted(big)
+    assert any(p.numel() < min_numel for p in model.parameters())  # norms stay with the device optimizer
+    assert pl.offload_numel == sum(big.values())
+    kept = _plan(model, offload_optimizer=False, min_offload_numel=min_numel)
+    assert kept.offload_optimizer == [] and kept.offload_numel == 0
+    assert pl.fixed_bytes < kept.fixed_bytes
+    # Frozen parameters have no optimizer state to offload.
+    model.lm_head.requires_grad_(False)
+    assert "lm_head.weight" not in _plan(model, offload_optimizer=True, min_offload_numel=min_numel).offload_optimizer
+
+
+def test_host_grads_hold_fewer_bytes_on_the_device():
+    model = _llama()
+    kw = dict(offload_optimizer=True, min_offload_numel=2000)
+    dev = _plan(model, grads="device", **kw)
+    host = _plan(model, grads="host", **kw)
+    assert (dev.grads, host.grads) == ("device", "host")
+    assert host.grad_bytes < dev.grad_bytes
+    assert dev.grad_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    # Without optimizer offload there is nothing to move the gradients for.
+    assert _plan(model, offload_optimizer=False, grads="host").grads == "device"
+
+
+@pytest.mark.parametrize("slots,prefetch", [(2, 2), (1, 1), (2, 3)])
+def test_prefetch_must_be_below_slots(slots, prefetch):
+    with pytest.raises(ValueError, match="prefetch"):
+        _plan(_llama(), page_weights=True, slots=slots, prefetch=prefetch)
+
+
+def test_activation_bytes_override_is_used_in_every_block():
+    model = _llama()
+    estimate = _plan(model)
+    override = 3 * estimate.blocks[0].activation_bytes + 12345
+    pl = _plan(model, activation_bytes=override)
+    assert [b.activation_bytes for b in pl.blocks] == [override] * len(pl.blocks)
+    assert pl.predicted_peak() > estimate.predicted_peak()
+    zero = _plan(model, activation_bytes=0)  # a frozen model's measurement
+    assert all(b.activation_bytes == 0 for b in zero.blocks)
+
+
+def test_predicted_peak_contract():
+    """Moving a block to the host never raises the peak, except the first one: the first offloaded block may
+    add its transient (two blocks' activations on the device at a time: at most one block more than it
+    saves) and the first paged block adds the weight ring (slots x the largest paged block, less itself)."""
+    model = _llama(layers=6)
+    base = _plan(model, offload_optimizer=False)
+    a = max(b.activation_bytes for b in base.blocks)
+    pl = copy.deepcopy(base)
+    peaks = [pl.predicted_peak()]
+    for b in pl.blocks:
+        b.activations = "host"
+        peaks.append(pl.predicted_peak())
+    assert peaks[1] - peaks[0] <= a
+    assert all(q <= p for p, q in zip(peaks[1:], peaks[2:])), peaks
+    assert peaks[-1] < peaks[0]
+
+    pl.slots = 2
+    w = pl.blocks[0].weight_bytes
+    peaks = [pl.predicted_peak()]
+    for b in pl.blocks:
+        b.weights = "host"
+        peaks.append(pl.predicted_peak())
+    assert peaks[1] - peaks[0] == (pl.slots - 1) * w
+    assert all(q <= p for p, q in zip(peaks[1:], peaks[2:])), peaks
+    assert peaks[-1] < peaks[0]
+
+    # Optimizer state in host RAM lowers it; so do gradients in host RAM once the end of backward is the
+    # peak (a short sequence: gradients outweigh the activations).
+    for shape, lower in [(SHAPE, "<="), ((1, 2), "<")]:
+        kw = dict(min_offload_numel=2000, batch_shape=shape)
+        host = _plan(model, offload_optimizer=True, grads="host", **kw).predicted_peak()
+        dev = _plan(model, offload_optimizer=True, grads="device", **kw).predicted_peak()
+        kept = _plan(model, offload_optimizer=False, **kw).predicted_peak()
+        assert dev < kept and (host < dev if lower == "<" else host <= dev), (shape, host, dev, kept)
+
+
+def test_plan_str_has_header_and_a_row_per_block():
+    model = _llama(layers=5)
+    pl = _plan(model, offload_activations=True, page_weights=True)
+    lines = str(pl).splitlines()
+    assert lines[0].startswith("TrainStream plan: budget ") and "predicted peak" in lines[0]
+    assert lines[1] == "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |"
+    rows = [ln for ln in lines if ln.startswith("| ") and ln.split("|")[1].strip().isdigit()]
+    assert [int(r.split("|")[1]) for r in rows] == list(range(5))
+    assert all("| host |" in r for r in rows)
+    assert lines[-1].startswith("non-block weights")
+
+
+# -- resolve_budget ----------------------------------------------------------------------------------------
+def test_resolve_budget_sizes_and_bytes():
+    assert planner.resolve_budget("24GiB", CPU) == 24 * GiB
+    assert planner.resolve_budget("1.5GB", CPU) == 1_500_000_000
+    assert planner.resolve_budget(123_456_789, CPU) == 123_456_789
+
+
+def test_resolve_budget_fraction_and_auto_on_cpu(monkeypatch):
+    import trainstream_hf.engine.arena as arena
+
+    total = 10 * GiB + 4096
+    monkeypatch.setattr(arena, "host_memory_available", lambda: total)
+    assert planner.resolve_budget(0.5, CPU) == total // 2
+    assert planner.resolve_budget(1.0, CPU) == total
+    assert planner.resolve_budget("auto", CPU) == total
+    monkeypatch.setattr(arena, "host_memory_available", lambda: None)  # no /proc/meminfo
+    assert planner.resolve_budget("auto", CPU) == 64 * GiB
+    monkeypatch.undo()
+    # Unpatched: MemAvailable, so positive and at most the machine's RAM.
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for b in (planner.resolve_budget("auto", CPU), planner.resolve_budget(0.5, CPU)):
+        assert isinstance(b, int) and 0 < b <= ram
+
+
+def test_config_budgets_resolve():
+    # What a user writes in TrainStreamConfig resolves to bytes.
+    for v, want in [("512MiB", 512 * 2**20), (2**33, 2**33)]:
+        assert planner.resolve_budget(TrainStreamConfig(vram_budget=v).vram_budget, CPU) == want
