@@ -25,6 +25,17 @@ TORCH_LIBRARY(trainstream, m) {
       "adamw_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
       "Tensor(d!)? param_bf16, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "int step, bool maximize) -> ()");
+
+  // Frozen-weight formats (trainstream_hf/quant/formats.py). weight: (out_features, in_features) float32 /
+  // bfloat16 / float16. NF4: 4-bit NormalFloat codes, absmax per 64 weights double-quantised to E4M3 per 256.
+  m.def(
+      "quantize_nf4(Tensor weight) -> (Tensor data, Tensor absmax_q, Tensor absmax_scale, Tensor absmax_offset)");
+  m.def(
+      "dequantize_nf4(Tensor data, Tensor absmax_q, Tensor absmax_scale, Tensor absmax_offset, "
+      "ScalarType dtype) -> Tensor");
+  // NVFP4: E2M1 codes, E4M3 scale per 16 weights along in_features, fp32 per-tensor scale.
+  m.def("quantize_nvfp4(Tensor weight) -> (Tensor data, Tensor block_scale, Tensor tensor_scale)");
+  m.def("dequantize_nvfp4(Tensor data, Tensor block_scale, Tensor tensor_scale, ScalarType dtype) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
@@ -22,6 +23,16 @@ void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_
                     const at::Tensor& grad, const std::optional<at::Tensor>& param_bf16, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
                     bool maximize);
+
+// csrc/cpu/quant.cpp ------------------------------------------------------------------------
+// NF4 and NVFP4 weight formats (layouts in trainstream_hf/quant/formats.py; maths in the *_reference functions
+// of trainstream_hf/ops.py, which these equal bit for bit). Weights are 2-D float32 / bfloat16 / float16.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_nf4_cpu(const at::Tensor& weight);
+at::Tensor dequantize_nf4_cpu(const at::Tensor& data, const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
+                              const at::Tensor& absmax_offset, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_nvfp4_cpu(const at::Tensor& weight);
+at::Tensor dequantize_nvfp4_cpu(const at::Tensor& data, const at::Tensor& block_scale,
+                                const at::Tensor& tensor_scale, at::ScalarType dtype);
 
 // csrc/runtime/arena.cpp ---------------------------------------------------------------------
 void init_arena(pybind11::module_& m);

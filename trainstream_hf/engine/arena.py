@@ -81,6 +81,10 @@ class HostArena:
             raise RuntimeError(f"HostArena(pinned=True): page-locked memory needs CUDA, but {why}; "
                                "use pinned=False (pageable, aligned memory)")
         self.pinned = bool(pinned)
+        if self.pinned:
+            # torch answers is_pinned() (and so picks truly asynchronous copies) only once its CUDA state is
+            # initialised; our cudaHostAlloc does not do that for it.
+            torch.cuda.init()
         self.slab_bytes = parse_bytes(slab_bytes, name="slab_bytes")
         self.memory_margin = parse_bytes(memory_margin, name="memory_margin")
         self.growable = size in ("auto", None, 0)
