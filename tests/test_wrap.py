@@ -240,3 +240,31 @@ def test_overlap_with_trainable_paged_weights_is_refused():
     with pytest.raises(ValueError, match="overlap_step cannot be combined with param_sink"):
         ts.wrap(model, torch.optim.AdamW(model.parameters()), **FORCE, overlap_step=True)
     assert ts.engine_of(model) is None
+
+
+def test_host_too_small_is_refused_before_anything_changes(monkeypatch):
+    from trainstream_hf.engine import arena as arena_mod
+    monkeypatch.setattr(arena_mod, "host_memory_available", lambda *a: 2**20)
+    model = _llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(arena_mod.HostMemoryError, match="available"):
+        ts.wrap(model, torch.optim.AdamW(model.parameters()), **FORCE)
+    assert ts.engine_of(model) is None and not model.model.layers[0]._forward_pre_hooks
+    for p, q in zip(before, model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_plan_host_bytes_are_reserved_up_front():
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters()), **FORCE)
+    eng = ts.engine_of(model)
+    assert eng.arena.stats()["reserved"] >= eng.plan.host_bytes() > 0
+    ts.unwrap(model)
+
+
+def test_fixed_arena_smaller_than_plan_is_a_clear_error():
+    model = _llama()
+    with pytest.raises(ValueError, match="raise host_arena"):
+        ts.wrap(model, torch.optim.AdamW(model.parameters()), **{**FORCE, "host_arena": "2MiB",
+                                                                 "host_arena_slab": "2MiB"})
+    assert ts.engine_of(model) is None

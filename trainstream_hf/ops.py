@@ -12,7 +12,12 @@ import torch
 
 from trainstream_hf import _C  # noqa: F401  (loads the library: registers torch.ops.trainstream)
 
-__all__ = ["adamw_step_", "adamw_step_reference", "built_with_cuda"]
+__all__ = [
+    "adamw_step_", "adamw_step_reference", "built_with_cuda",
+    "quantize_nf4", "dequantize_nf4", "quantize_nf4_reference", "dequantize_nf4_reference",
+    "quantize_nvfp4", "dequantize_nvfp4", "quantize_nvfp4_reference", "dequantize_nvfp4_reference",
+    "quantize_int8_reference", "dequantize_int8_reference", "quantize_fp8_reference", "dequantize_fp8_reference",
+]
 
 
 def built_with_cuda() -> bool:
@@ -88,3 +93,307 @@ def adamw_step_reference(param, exp_avg, exp_avg_sq, grad, *, lr, beta1=0.9, bet
     param.addcdiv_(exp_avg, denom, value=-step_size)
     if param_bf16 is not None:
         param_bf16.copy_(param.view_as(param_bf16) if param.shape == param_bf16.shape else param.reshape(param_bf16.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen-weight formats (layouts: trainstream_hf/quant/formats.py)
+#
+# NF4 and NVFP4 pack bits, so they have native kernels (csrc/cpu/quant.cpp) that equal these references bit for
+# bit. int8 and FP8 are a scale and a cast: the references below are the implementation on every device.
+# --------------------------------------------------------------------------------------------
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+NF4_BLOCK, NF4_GROUP, NVFP4_BLOCK = 64, 256, 16
+
+# QLoRA's NormalFloat-4 code (Dettmers et al. 2023, arXiv:2305.14314), exactly as bitsandbytes stores it:
+# bitsandbytes/backends/utils.py, _NF4_QUANT_TABLE (bitsandbytes-foundation/bitsandbytes @ 0155ecc6).
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+    1.0], dtype=torch.float32)
+_NF4_MIDPOINTS = (NF4_CODE[:-1] + NF4_CODE[1:]) * 0.5
+
+# E2M1 (FP4) code -> value; bit 3 is the sign (OCP Microscaling Formats spec v1.0, FP4 E2M1).
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+
+
+def check_weight(op: str, weight: torch.Tensor, multiple: int = 1) -> None:
+    """Raises ValueError / TypeError unless ``weight`` can be quantized by ``op``.
+
+    Args:
+        op: name used in the message.
+        weight: the (out_features, in_features) weight.
+        multiple: in_features must be a multiple of this (the format's block size).
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{op}: weight must be float32, bfloat16 or float16, got {weight.dtype}")
+    if weight.numel() == 0:
+        raise ValueError(f"{op}: weight is empty (shape {tuple(weight.shape)})")
+    if weight.shape[1] % multiple:
+        raise ValueError(f"{op}: in_features must be a multiple of {multiple}, got {weight.shape[1]}; pad the "
+                         f"weight's columns (and the input's features) with zeros")
+
+
+def _check_finite(op: str, absmax: torch.Tensor) -> None:
+    if not bool(torch.isfinite(absmax).all()):
+        raise ValueError(f"{op}: weight contains inf or NaN")
+
+
+def _check_out_dtype(op: str, dtype: torch.dtype) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
+
+
+def _fake_check_weight(op, weight, multiple):
+    torch._check(weight.dim() == 2, lambda: f"{op}: weight must be 2-D (out_features, in_features)")
+    torch._check(weight.dtype in WEIGHT_DTYPES, lambda: f"{op}: weight must be float32, bfloat16 or float16")
+    torch._check(weight.shape[1] % multiple == 0, lambda: f"{op}: in_features must be a multiple of {multiple}")
+
+
+def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x / d where d != 0, else 0 (a zero scale means an all-zero block)."""
+    return torch.where(d != 0, x / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(x))
+
+
+# --------------------------------------------------------------------------------------------
+# quantize_nf4 / dequantize_nf4
+# --------------------------------------------------------------------------------------------
+
+def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes a weight to NF4 with double-quantised absmax (native kernel; maths: :func:`quantize_nf4_reference`).
+
+    Args:
+        weight: (out_features, in_features) float32 / bfloat16 / float16, in_features a multiple of 64, finite.
+
+    Returns:
+        ``(data, absmax_q, absmax_scale, absmax_offset)``: uint8 (out, in / 2) codes, two per byte with the even
+        element in the high nibble; float8_e4m3fn (numel / 64,); float32 (ceil(numel / 64 / 256),); float32 ().
+    """
+    return torch.ops.trainstream.quantize_nf4.default(weight)
+
+
+@torch.library.register_fake("trainstream::quantize_nf4")
+def _quantize_nf4_fake(weight):
+    _fake_check_weight("quantize_nf4", weight, NF4_BLOCK)
+    rows, cols = weight.shape
+    nb = rows * cols // NF4_BLOCK
+    return (weight.new_empty((rows, cols // 2), dtype=torch.uint8),
+            weight.new_empty((nb,), dtype=torch.float8_e4m3fn),
+            weight.new_empty(((nb + NF4_GROUP - 1) // NF4_GROUP,), dtype=torch.float32),
+            weight.new_empty((), dtype=torch.float32))
+
+
+def dequantize_nf4(data: torch.Tensor, absmax_q: torch.Tensor, absmax_scale: torch.Tensor,
+                   absmax_offset: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantizes :func:`quantize_nf4`'s output to a (out_features, in_features) ``dtype`` weight (native kernel)."""
+    return torch.ops.trainstream.dequantize_nf4.default(data, absmax_q, absmax_scale, absmax_offset, dtype)
+
+
+@torch.library.register_fake("trainstream::dequantize_nf4")
+def _dequantize_nf4_fake(data, absmax_q, absmax_scale, absmax_offset, dtype):
+    torch._check(data.dim() == 2 and data.dtype == torch.uint8, lambda: "dequantize_nf4: data must be 2-D uint8")
+    torch._check(absmax_q.dtype == torch.float8_e4m3fn, lambda: "dequantize_nf4: absmax_q must be float8_e4m3fn")
+    torch._check(dtype in WEIGHT_DTYPES, lambda: f"dequantize_nf4: unsupported dtype {dtype}")
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=dtype)
+
+
+def _nf4_offset_reference(absmax: torch.Tensor) -> torch.Tensor:
+    """The mean of the absmax values, summed exactly so that every device and thread count agrees bit for bit.
+
+    Each absmax is floored to a fixed-point integer with 32 bits below the leading bit of the largest one
+    (relative error <= 2^-32, far below float32's own), the integers are summed exactly in int64, and the mean
+    is formed in float64 and rounded once to float32.
+    """
+    amax = float(absmax.max())
+    if amax == 0.0:
+        return torch.zeros((), dtype=torch.float32, device=absmax.device)
+    k = 32 - math.frexp(amax)[1]
+    total = int(torch.floor(absmax.double() * 2.0 ** k).long().sum())
+    mean = float(total) / float(absmax.numel()) * 2.0 ** -k
+    return torch.tensor(mean, dtype=torch.float32, device=absmax.device)
+
+
+def _nf4_block_absmax(absmax_q, absmax_scale, absmax_offset):
+    """Dequantised absmax per block of 64: e4m3 code * its group's scale + offset (two float32 roundings)."""
+    s = absmax_scale.repeat_interleave(NF4_GROUP)[: absmax_q.numel()]
+    return absmax_q.float() * s + absmax_offset
+
+
+def quantize_nf4_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch NF4 quantization; defines the maths :func:`quantize_nf4`'s kernels reproduce bit for bit.
+
+    QLoRA's NF4 (Dettmers et al. 2023) with double quantisation, in float32 throughout:
+
+    1. Flatten the weight row-major into blocks of 64; ``a_b = max |w|`` per block.
+    2. ``offset = mean(a)`` (exact sum, see ``_nf4_offset_reference``). In groups of 256 blocks (the last may be
+       shorter), ``s_g = max |a_b - offset| / 448`` and ``q_b = e4m3(( a_b - offset) / s_g)`` (round to nearest
+       even, saturating; 0 when ``s_g == 0``). This is *not* bitsandbytes' double quantisation, which codes
+       ``a_b - offset`` with its 8-bit dynamic map: we use the E4M3 float8 type as the 8-bit code instead.
+    3. ``d_b = float(q_b) * s_g + offset`` is the absmax dequantize will use; every weight is coded against it:
+       ``code = nearest NF4 value to w / d_b`` (ties to the lower code; 0 where ``d_b == 0``).
+    4. Two codes per byte, the even element in the high nibble (bitsandbytes' order).
+    """
+    check_weight("quantize_nf4", weight, NF4_BLOCK)
+    rows, cols = weight.shape
+    x = weight.float().reshape(-1, NF4_BLOCK)
+    absmax = x.abs().amax(dim=1)
+    _check_finite("quantize_nf4", absmax)
+    offset = _nf4_offset_reference(absmax)
+    nb = absmax.numel()
+    ng = (nb + NF4_GROUP - 1) // NF4_GROUP
+    centred = absmax - offset
+    padded = torch.zeros(ng * NF4_GROUP, dtype=torch.float32, device=x.device)
+    padded[:nb] = centred
+    absmax_scale = padded.view(ng, NF4_GROUP).abs().amax(dim=1) / E4M3_MAX
+    absmax_q = _safe_div(centred, absmax_scale.repeat_interleave(NF4_GROUP)[:nb]).to(torch.float8_e4m3fn)
+    d = _nf4_block_absmax(absmax_q, absmax_scale, offset)
+    v = _safe_div(x, d[:, None].expand_as(x))
+    codes = torch.bucketize(v, _NF4_MIDPOINTS.to(v.device)).to(torch.uint8).view(rows, cols)
+    data = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return data, absmax_q, absmax_scale, offset
+
+
+def dequantize_nf4_reference(data, absmax_q, absmax_scale, absmax_offset, dtype=torch.bfloat16) -> torch.Tensor:
+    """Pure-PyTorch inverse of :func:`quantize_nf4_reference`: ``NF4[code] * d_b``, rounded once to ``dtype``."""
+    _check_out_dtype("dequantize_nf4", dtype)
+    rows, half = data.shape
+    codes = torch.stack([data >> 4, data & 0xF], dim=-1).view(-1, NF4_BLOCK).long()
+    d = _nf4_block_absmax(absmax_q, absmax_scale, absmax_offset)
+    return (NF4_CODE.to(data.device)[codes] * d[:, None]).to(dtype).view(rows, half * 2)
+
+
+# --------------------------------------------------------------------------------------------
+# quantize_nvfp4 / dequantize_nvfp4
+# --------------------------------------------------------------------------------------------
+
+def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes a weight to NVFP4 (native kernel; maths: :func:`quantize_nvfp4_reference`).
+
+    Args:
+        weight: (out_features, in_features) float32 / bfloat16 / float16, in_features a multiple of 16, finite.
+
+    Returns:
+        ``(data, block_scale, tensor_scale)``: uint8 (out, in / 2) E2M1 codes, two per byte with the even element
+        in the low nibble (``data.view(torch.float4_e2m1fn_x2)`` is torch's FP4 type); float8_e4m3fn
+        (out, in / 16) row-major; float32 ().
+    """
+    return torch.ops.trainstream.quantize_nvfp4.default(weight)
+
+
+@torch.library.register_fake("trainstream::quantize_nvfp4")
+def _quantize_nvfp4_fake(weight):
+    _fake_check_weight("quantize_nvfp4", weight, NVFP4_BLOCK)
+    rows, cols = weight.shape
+    return (weight.new_empty((rows, cols // 2), dtype=torch.uint8),
+            weight.new_empty((rows, cols // NVFP4_BLOCK), dtype=torch.float8_e4m3fn),
+            weight.new_empty((), dtype=torch.float32))
+
+
+def dequantize_nvfp4(data: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantizes :func:`quantize_nvfp4`'s output to a (out_features, in_features) ``dtype`` weight (native kernel)."""
+    return torch.ops.trainstream.dequantize_nvfp4.default(data, block_scale, tensor_scale, dtype)
+
+
+@torch.library.register_fake("trainstream::dequantize_nvfp4")
+def _dequantize_nvfp4_fake(data, block_scale, tensor_scale, dtype):
+    torch._check(data.dim() == 2 and data.dtype == torch.uint8, lambda: "dequantize_nvfp4: data must be 2-D uint8")
+    torch._check(block_scale.dtype == torch.float8_e4m3fn,
+                 lambda: "dequantize_nvfp4: block_scale must be float8_e4m3fn")
+    torch._check(dtype in WEIGHT_DTYPES, lambda: f"dequantize_nvfp4: unsupported dtype {dtype}")
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=dtype)
+
+
+def quantize_nvfp4_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch NVFP4 quantization; defines the maths :func:`quantize_nvfp4`'s kernels reproduce bit for bit.
+
+    NVFP4 as NVIDIA defines it ("Introducing NVFP4 for Efficient and Accurate Low-Precision Inference", NVIDIA
+    technical blog, 2025): E2M1 values, one E4M3 scale per 16 consecutive weights along in_features, and one
+    float32 scale per tensor. In float32:
+
+    1. ``ts = amax(|w|) / (448 * 6)``, so that the largest block's scale is E4M3's largest value.
+    2. Per block of 16: ``s = e4m3((max |w_block| / 6) / ts)`` (nearest even, saturating at 448; 0 when ts == 0).
+    3. ``t = ts * float(s)``; ``code = e2m1(w / t)``: nearest E2M1 value, ties to the even code, saturating at
+       +-6, sign from the sign bit (0 where ``t == 0``). Same rounding as torch's ``_f32_to_floatx_unpacked`` and
+       torchao's ``nvfp4_quantize`` with a per-tensor scale.
+    4. Two codes per byte, the even element in the low nibble (torch.float4_e2m1fn_x2's order).
+    """
+    check_weight("quantize_nvfp4", weight, NVFP4_BLOCK)
+    rows, cols = weight.shape
+    x = weight.float().view(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    bmax = x.abs().amax(dim=-1)
+    _check_finite("quantize_nvfp4", bmax)
+    tensor_scale = bmax.amax() / (E4M3_MAX * E2M1_MAX)
+    block_scale = _safe_div(bmax / E2M1_MAX, tensor_scale.expand_as(bmax)).to(torch.float8_e4m3fn)
+    t = (tensor_scale * block_scale.float())[..., None]
+    v = _safe_div(x, t.expand_as(x))
+    a = v.abs()
+    codes = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+             + (a > 5.0)) | (torch.signbit(v).to(torch.uint8) << 3)
+    codes = codes.view(rows, cols)
+    data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return data, block_scale, tensor_scale
+
+
+def dequantize_nvfp4_reference(data, block_scale, tensor_scale, dtype=torch.bfloat16) -> torch.Tensor:
+    """Pure-PyTorch inverse of :func:`quantize_nvfp4_reference`: ``E2M1[code] * (ts * s)``, rounded once to ``dtype``."""
+    _check_out_dtype("dequantize_nvfp4", dtype)
+    rows, half = data.shape
+    codes = torch.stack([data & 0xF, data >> 4], dim=-1).view(rows, -1, NVFP4_BLOCK).long()
+    t = (tensor_scale * block_scale.float())[..., None]
+    return (E2M1_VALUES.to(data.device)[codes] * t).to(dtype).view(rows, half * 2)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 and FP8 (reference only: a scale and a cast, already one vectorised torch op each)
+# --------------------------------------------------------------------------------------------
+
+def quantize_int8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row absmax int8: ``s = max |w_row| / 127``, ``q = clamp(round(w / s), -127, 127)``.
+
+    Returns:
+        ``(data, scale)``: int8 (out, in); float32 (out,). Rows of zeros get ``s = 0`` and codes 0.
+    """
+    check_weight("quantize_int8", weight)
+    x = weight.float()
+    amax = x.abs().amax(dim=1)
+    _check_finite("quantize_int8", amax)
+    scale = amax / 127.0
+    q = torch.round(_safe_div(x, scale[:, None].expand_as(x))).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8_reference(data, scale, dtype=torch.bfloat16) -> torch.Tensor:
+    """``float(q) * s`` per row, rounded once to ``dtype``."""
+    _check_out_dtype("dequantize_int8", dtype)
+    return (data.float() * scale[:, None]).to(dtype)
+
+
+def quantize_fp8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8 E4M3: ``s = max |w_row| / 448``, ``q = e4m3(w / s)`` (nearest even, saturating).
+
+    Returns:
+        ``(data, scale)``: float8_e4m3fn (out, in); float32 (out,), the layout ``torch._scaled_mm``'s row-wise
+        scaling takes for the weight operand.
+    """
+    check_weight("quantize_fp8", weight)
+    x = weight.float()
+    amax = x.abs().amax(dim=1)
+    _check_finite("quantize_fp8", amax)
+    scale = amax / E4M3_MAX
+    v = _safe_div(x, scale[:, None].expand_as(x)).clamp_(-E4M3_MAX, E4M3_MAX)
+    return v.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8_reference(data, scale, dtype=torch.bfloat16) -> torch.Tensor:
+    """``float(q) * s`` per row, rounded once to ``dtype``."""
+    _check_out_dtype("dequantize_fp8", dtype)
+    return (data.float() * scale[:, None]).to(dtype)

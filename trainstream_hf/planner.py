@@ -116,6 +116,14 @@ class Plan:
     def pcie_bytes(self) -> int:
         return sum(b.pcie_bytes() for b in self.blocks)
 
+    def host_bytes(self) -> int:
+        """Host RAM the plan puts in the arena: paged weights, every offloaded block's activations (all
+        are on the host at the end of the forward pass) and, per offloaded parameter, the fp32 master,
+        both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
+        return (sum(b.weight_bytes for b in self.blocks if b.weights == "host")
+                + sum(b.activation_bytes for b in self.blocks if b.activations == "host")
+                + 18 * self.offload_numel)
+
     def predicted_step_floor(self) -> float:
         """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds)."""
         return max(self.pcie_bytes() / self.pcie_bps, self.offload_numel / self.cpu_adam_pps)
