@@ -268,3 +268,46 @@ def test_fixed_arena_smaller_than_plan_is_a_clear_error():
         ts.wrap(model, torch.optim.AdamW(model.parameters()), **{**FORCE, "host_arena": "2MiB",
                                                                  "host_arena_slab": "2MiB"})
     assert ts.engine_of(model) is None
+
+
+def test_recomputed_blocks_train_exactly_and_are_restored():
+    """recompute=True checkpoints every block (transformers' own mechanism, per layer): losses and
+    gradients equal the plain model's bit for bit; unwrap turns checkpointing off again."""
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), vram_budget="64GiB",
+                         host_arena=None, recompute=True, offload_activations=False, page_weights=False,
+                         offload_optimizer=False)
+    assert ts.engine_of(model).plan.recomputed_blocks == [0, 1, 2]
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for s in range(3):
+        ids = _batch(s)
+        la = ref(input_ids=ids, labels=ids).loss
+        la.backward()
+        lb = model(input_ids=ids, labels=ids).loss
+        lb.backward()
+        assert torch.equal(la, lb)
+        for p, q in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    ts.unwrap(model)
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_plan_checkpoints_when_copies_cannot_hide():
+    """A slow block forward hides copies; a fast one (as on an H200 at 2048 tokens) cannot, so the plan
+    checkpoints instead of offloading beyond what hides under compute."""
+    model = _llama()
+    blocks = list(model.model.layers)
+    a = 1 << 20
+    base = ts.plan(model, (2, 16), vram_budget="64GiB")
+    need = base.predicted_peak() + base.margin + 2 * a  # with 3 x 1 MiB activations: room for one block
+    from trainstream_hf.planner import plan as make_plan
+    slow = make_plan(model, blocks, batch_shape=(2, 16), vram_budget=need, activation_bytes=a, input_bytes=a // 8,
+                     forward_seconds=1.0)
+    fast = make_plan(model, blocks, batch_shape=(2, 16), vram_budget=need, activation_bytes=a, input_bytes=a // 8,
+                     forward_seconds=1e-9)
+    assert slow.offloaded_activation_blocks and not slow.recomputed_blocks
+    assert fast.recomputed_blocks and not fast.offloaded_activation_blocks
+    assert fast.fits() and slow.fits()

@@ -79,6 +79,9 @@ class TrainStreamConfig:
                 "'host' (moved during backward; clip with optimizer.clip_grad_norm_) or 'auto'."})
     offload_activations: str | bool = field(default="auto", metadata={
         "help": "Saved activations of blocks in host RAM between forward and backward: 'auto', True or False."})
+    recompute: str | bool = field(default="auto", metadata={
+        "help": "Checkpoint (recompute in backward) the blocks whose activations cannot move to host RAM "
+                "while the GPU computes: 'auto', True (every block) or False."})
     page_weights: str | bool = field(default="auto", metadata={
         "help": "Block weights in host RAM, streamed into device slots ahead of use: 'auto', True or False."})
     slots: int = field(default=2, metadata={"help": "Device slots of the weight ring (>= 1)."})
@@ -119,7 +122,7 @@ class TrainStreamConfig:
             raise ValueError(f"staging_threads: an int >= 0, got {self.staging_threads!r}")
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
-        for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step"):
+        for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if self.grads not in ("auto", "device", "host"):

@@ -15,6 +15,7 @@ the predicted peak, and the engine reports the measured one next to it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -42,14 +43,17 @@ class BudgetError(MemoryError):
 
 @dataclass
 class BlockPlan:
-    """Placement of one block. Places are ``"device"`` or ``"host"``."""
+    """Placement of one block. Weights are on ``"device"`` or ``"host"``; activations on ``"device"``,
+    ``"host"`` or ``"recompute"`` (only the block's input is kept; the forward runs again in backward)."""
 
     index: int
     weight_bytes: int
     trainable_numel: int
     activation_bytes: int
     weights: str = "device"
-    activations: str = "device"
+    activations: str = "device"   # "device", "host" (offloaded) or "recompute" (checkpointed)
+    input_bytes: int = 0          # what a checkpointed block keeps: its input
+    can_recompute: bool = False
 
     def pcie_bytes(self) -> int:
         """Bytes this block moves per step over PCIe because of its placement (not counting optimizer)."""
@@ -79,6 +83,7 @@ class Plan:
     cpu_adam_pps: float = DEFAULT_CPU_ADAM_PPS
     offload_numel: int = 0
     min_offload_numel: int = MIN_OFFLOAD_NUMEL
+    forward_seconds: float | None = None  # one block's measured forward time
 
     # -- predictions ----------------------------------------------------------------------------
     @property
@@ -99,13 +104,17 @@ class Plan:
         resident_w = sum(b.weight_bytes for b in self.blocks if b.weights == "device")
         paged = [b.weight_bytes for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
-        acts = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
+        kept = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
         host_acts = [b.activation_bytes for b in self.blocks if b.activations == "host"]
-        # Offloaded blocks are the first ones. An offloaded block's activations are on the device while it
-        # computes and while its copy runs, and in backward one block ahead is prefetched: two blocks at a
-        # time, but only before the kept blocks' activations exist (forward) or after they are freed
-        # (backward), so the two do not add up.
-        acts = max(acts, 2 * max(host_acts, default=0))
+        rc = [b for b in self.blocks if b.activations == "recompute"]
+        rc_inputs = sum(b.input_bytes for b in rc)
+        # Offloaded blocks come first, checkpointed ones next, kept ones last. An offloaded block's
+        # activations are on the device while it computes and while its copy runs, and in backward one block
+        # ahead is prefetched: two blocks at a time, but only before the kept blocks' activations exist
+        # (forward) or after they are freed (backward). A checkpointed block keeps its input, and its
+        # activations exist again, one block at a time, when backward reaches it (kept ones are gone then).
+        acts = max(kept + rc_inputs, 2 * max(host_acts, default=0),
+                   rc_inputs + max((b.activation_bytes for b in rc), default=0))
         one_block = max((b.activation_bytes for b in self.blocks), default=0)
         moment = max(acts + self.logits_bytes, self.grad_bytes + one_block)
         return self.fixed_bytes + resident_w + slot_bytes + moment
@@ -124,15 +133,25 @@ class Plan:
                 + sum(b.activation_bytes for b in self.blocks if b.activations == "host")
                 + 18 * self.offload_numel)
 
+    @property
+    def recomputed_blocks(self) -> list[int]:
+        return [b.index for b in self.blocks if b.activations == "recompute"]
+
     def predicted_step_floor(self) -> float:
         """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds)."""
         return max(self.pcie_bytes() / self.pcie_bps, self.offload_numel / self.cpu_adam_pps)
+
+    def recompute_seconds(self) -> float | None:
+        """Extra compute of the checkpointed blocks (one forward each), when the forward time is known."""
+        if self.forward_seconds is None:
+            return None
+        return len(self.recomputed_blocks) * self.forward_seconds
 
     def __str__(self) -> str:
         mib = 2**20
         lines = [f"TrainStream plan: budget {self.budget / GiB:.2f} GiB, predicted peak "
                  f"{self.predicted_peak() / GiB:.2f} GiB, {self.slots} weight slots, prefetch {self.prefetch}, "
-                 f"gradients on {self.grads}, optimizer state of {len(self.offload_optimizer)} parameters "
+                 f"gradients on {self.grads}, {len(self.recomputed_blocks)} blocks recomputed, optimizer state of {len(self.offload_optimizer)} parameters "
                  f"({self.offload_numel / 1e6:.1f} M) in host RAM",
                  "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |",
                  "|---|---|---|---|---|---|---|"]
@@ -188,24 +207,45 @@ def activation_bytes_per_token(config, dtype_bytes: int) -> int:
     return elems * dtype_bytes + 8
 
 
+def _can_recompute(block: nn.Module) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(block, GradientCheckpointingLayer)
+
+
 class _Stop(Exception):
     """Ends the measuring forward pass after the first block."""
 
 
-def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int],
-                             device: torch.device) -> int | None:
-    """Bytes of the tensors ``block`` saves for backward, measured on a random batch of ``batch_shape``.
+@dataclass
+class BlockMeasure:
+    """One block on one micro-batch: saved-tensor bytes, input bytes and forward seconds."""
+
+    activation_bytes: int
+    input_bytes: int
+    forward_seconds: float
+
+
+def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int], device: torch.device,
+                  *, repeats: int = 2) -> BlockMeasure | None:
+    """Measures ``block`` on a random batch of ``batch_shape``, the way the model will run it.
 
     Runs the model's forward pass on random token ids only as far as the end of ``block`` (a forward hook
-    stops it there), counting every saved tensor that is not a parameter once per storage. Costs the
-    embedding and one block's activations of device memory, for a moment. Returns None when the model
-    takes no ``input_ids`` (no ``config.vocab_size``).
+    stops it there), counting every saved tensor that is not a parameter once per storage, the bytes of the
+    block's first tensor input, and the block's forward time (CUDA events on CUDA; the last of ``repeats``
+    passes, so one-time initialisation is not counted). Costs the embedding and one block's activations of
+    device memory, for a moment. Returns None when the model takes no ``input_ids`` (no
+    ``config.vocab_size``).
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not vocab:
         return None
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
+    found = {"input": 0, "t": 0.0}
+    cuda = device.type == "cuda"
 
     def pack(t: torch.Tensor):
         if t.device.type != "meta":
@@ -215,32 +255,58 @@ def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tu
         return t
 
     ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
     entered = []
+    marks = {}
 
-    def pre(module, args):
+    def now():
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def pre(module, args, kwargs):
+        first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        found["input"] = first.numel() * first.element_size() if first is not None else 0
+        seen.clear()
         ctx.__enter__()
         entered.append(True)
+        marks["start"] = now()
 
     def post(module, args, out):
+        marks["end"] = now()
         entered.pop()
         ctx.__exit__(None, None, None)
         raise _Stop
 
     ids = torch.randint(0, int(vocab), tuple(batch_shape), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
-    handles = [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    handles = [block.register_forward_pre_hook(pre, with_kwargs=True), block.register_forward_hook(post)]
     try:
-        with torch.enable_grad():
-            model(input_ids=ids)
-    except _Stop:
-        pass
+        for _ in range(max(1, repeats)):
+            try:
+                with torch.enable_grad():
+                    model(input_ids=ids)
+            except _Stop:
+                pass
+            if cuda:
+                marks["end"].synchronize()
+                found["t"] = marks["start"].elapsed_time(marks["end"]) / 1e3
+            else:
+                found["t"] = marks["end"] - marks["start"]
     finally:
         for h in handles:
             h.remove()
         if entered:  # the block raised (e.g. out of memory): don't leave `pack` on every later backward
             ctx.__exit__(None, None, None)
-    return sum(seen.values())
+    return BlockMeasure(sum(seen.values()), found["input"], found["t"])
+
+
+def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int],
+                             device: torch.device) -> int | None:
+    """Saved-tensor bytes of ``block`` for one micro-batch (see :func:`measure_block`)."""
+    m = measure_block(model, block, batch_shape, device, repeats=1)
+    return None if m is None else m.activation_bytes
 
 
 def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
@@ -251,7 +317,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          device: torch.device | str | None = None, offload_optimizer="auto", grads="auto",
          offload_activations="auto", page_weights="auto", slots: int = 2, prefetch: int = 1,
          margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL,
-         activation_bytes: int | None = None) -> Plan:
+         activation_bytes: int | None = None, input_bytes: int | None = None,
+         forward_seconds: float | None = None, recompute="auto") -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -266,7 +333,13 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         margin: device bytes kept free for workspaces.
         min_offload_numel: trainable parameters smaller than this keep their optimizer on the device.
         activation_bytes: saved-tensor bytes of one block for one micro-batch, measured (see
-            :func:`measure_activation_bytes`); None: the analytic estimate.
+            :func:`measure_block`); None: the analytic estimate.
+        input_bytes: bytes of one block's input (what a checkpointed block keeps); None: tokens x hidden.
+        forward_seconds: one block's forward time, measured; decides how many blocks' activation copies
+            hide under compute. None: unknown, the plan offloads before it recomputes.
+        recompute: ``"auto"`` (checkpoint blocks whose activations cannot move to the host for free),
+            ``True`` (every block that supports it) or ``False``. Only transformers'
+            ``GradientCheckpointingLayer`` blocks can be recomputed.
 
     Raises:
         BudgetError: when even the most offloaded plan does not fit, with the minimum it needs.
@@ -289,11 +362,15 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         per_block_act, vocab = 0, 0
     if activation_bytes is not None:
         per_block_act = int(activation_bytes)
+    if input_bytes is None:
+        h = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+        input_bytes = tokens * h * act_dtype_bytes
     block_plans = []
     for i, b in enumerate(blocks):
         params = list(b.parameters())
         block_plans.append(BlockPlan(i, _numel_bytes(params), sum(p.numel() for p in params if p.requires_grad),
-                                     per_block_act))
+                                     per_block_act, input_bytes=int(input_bytes),
+                                     can_recompute=_can_recompute(b)))
     # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
     logits = tokens * vocab * (act_dtype_bytes + 4 + 4)
     nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)
@@ -302,7 +379,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         return sum(p.numel() * p.element_size() for p in params)
 
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
-              min_offload_numel=min_offload_numel)
+              min_offload_numel=min_offload_numel, forward_seconds=forward_seconds)
     big_params = [p for _, p in big]
 
     def settle(offload_opt: bool, grads_host: bool) -> None:
@@ -332,14 +409,38 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         else:
             continue
         break
+    if recompute is True:
+        for b in block_plans:
+            if b.can_recompute:
+                b.activations = "recompute"
     if offload_activations is True:
         for b in block_plans:
             b.activations = "host"
-    elif offload_activations == "auto":
-        for b in block_plans:
+    elif offload_activations == "auto" and not pl.fits():
+        # Offload first as many blocks as the copy engines can move while the GPU computes (forward:
+        # down while N forwards run; backward: up while N backwards, ~2x, run); then checkpoint, which costs
+        # one block forward each; offload the rest only when checkpointing cannot reach the budget.
+        n, a = len(block_plans), max(per_block_act, 1)
+        if forward_seconds is not None and recompute is not False:
+            hide = int(n * forward_seconds * pl.pcie_bps // a)
+        else:
+            hide = n
+        order = list(block_plans)
+        for b in order[:hide]:
             if pl.fits():
                 break
             b.activations = "host"
+        if recompute is not False:
+            for b in order[hide:]:
+                if pl.fits():
+                    break
+                if b.can_recompute:
+                    b.activations = "recompute"
+        for b in order:
+            if pl.fits():
+                break
+            if b.activations == "device":
+                b.activations = "host"
     if page_weights is True or (page_weights == "auto" and not pl.fits()):
         if prefetch >= slots:
             raise ValueError(f"prefetch ({prefetch}) must be below slots ({slots}): a slot is refilled only "

@@ -28,6 +28,7 @@ from trainstream_hf.engine.weights import WeightPager
 __all__ = ["wrap", "unwrap", "Engine", "engine_of"]
 
 _ATTR = "_trainstream_engine"
+_MISSING = object()
 
 
 class _StepClock(BlockListener):
@@ -120,6 +121,32 @@ class Engine:
         """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part)."""
         return dict(self._last)
 
+    # -- checkpointed blocks -----------------------------------------------------------------------
+    def install_recompute(self, blocks, indices) -> None:
+        """Turns on transformers' own gradient checkpointing (non-reentrant) for the chosen blocks only, the
+        way ``model.gradient_checkpointing_enable()`` does for all of them (``GradientCheckpointingLayer``'s
+        ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``); unwrap restores them."""
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        self._recompute_saved = []
+        for i in indices:
+            layer = blocks[i]
+            self._recompute_saved.append((layer, layer.__dict__.get("gradient_checkpointing", _MISSING),
+                                          layer.__dict__.get("_gradient_checkpointing_func", _MISSING)))
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+    def _restore_recompute(self) -> None:
+        for layer, flag, func in getattr(self, "_recompute_saved", []):
+            for name, old in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
+                if old is _MISSING:
+                    layer.__dict__.pop(name, None)
+                else:
+                    setattr(layer, name, old)
+        self._recompute_saved = []
+
     # -- overlapped optimizer step -------------------------------------------------------------------
     def install_step_overlap(self, blocks) -> None:
         """The next forward waits for each offloaded parameter's new value just before it is used: the
@@ -147,6 +174,7 @@ class Engine:
             self.offloader.close()
         for h in getattr(self, "_overlap_handles", []):
             h.remove()
+        self._restore_recompute()
         self.hooks.remove()
         self.streams.timeline = None
         self.streams.synchronize()
@@ -204,12 +232,15 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     batch_shape = config.batch_shape or _default_batch_shape(model)
     # Measured, not estimated: the analytic formula missed LoRA's and the norms' saved tensors by ~40% on
     # the H200 (benchmarks/NOTES.md, 2026-12-03).
-    act_bytes = planner.measure_activation_bytes(model, blocks[0], batch_shape, device)
+    m = planner.measure_block(model, blocks[0], batch_shape, device)
     pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
                       offload_optimizer=config.offload_optimizer if optimizer is not None else False,
                       grads=config.grads, offload_activations=config.offload_activations,
                       page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
-                      activation_bytes=act_bytes, min_offload_numel=config.min_offload_numel)
+                      min_offload_numel=config.min_offload_numel, recompute=config.recompute,
+                      activation_bytes=None if m is None else m.activation_bytes,
+                      input_bytes=None if m is None else m.input_bytes,
+                      forward_seconds=None if m is None else m.forward_seconds)
     streams = TransferStreams(device)
     arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
                       pinned=None if config.host_arena not in (None, 0) else False,
@@ -261,6 +292,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
+    engine.install_recompute(blocks, pl.recomputed_blocks)
     if isinstance(new_opt, OffloadedAdamW) and new_opt.overlap_step:
         engine.install_step_overlap(blocks)
     model.__dict__[_ATTR] = engine
