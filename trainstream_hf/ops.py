@@ -344,7 +344,7 @@ def quantize_nvfp4_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def dequantize_nvfp4_reference(data, block_scale, tensor_scale, dtype=torch.bfloat16) -> torch.Tensor:
-    """Pure-PyTorch inverse of :func:`quantize_nvfp4_reference`: ``E2M1[code] * (ts * s)``, rounded once to ``dtype``."""
+    """Pure-PyTorch inverse of :func:`quantize_nvfp4_reference`: ``E2M1[code] * (ts * s)``, rounded to ``dtype``."""
     _check_out_dtype("dequantize_nvfp4", dtype)
     rows, half = data.shape
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).view(rows, -1, NVFP4_BLOCK).long()

@@ -1,0 +1,342 @@
+// CPU kernels for the bit-packing weight formats: NF4 and NVFP4 quantize / dequantize.
+//
+// The maths is defined by the pure-PyTorch references in trainstream_hf/ops.py (quantize_nf4_reference, ...),
+// which these kernels equal bit for bit (tests/quant/test_formats.py checks with torch.equal). Every rounding
+// step is therefore spelled out: float32 arithmetic, one IEEE operation at a time (no FMA contraction),
+// conversions through c10's own float8 / bfloat16 / half constructors (the ones torch's .to() uses).
+// Reductions are a max (order-free) or an integer sum (exact), so results do not depend on the thread count.
+//
+// NF4: QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023, arXiv:2305.14314).
+// NVFP4: NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference" (2025).
+// Layouts are documented in trainstream_hf/quant/formats.py.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+#include <torch/library.h>
+
+#include "../include/trainstream.h"
+#include "../runtime/thread_pool.h"
+
+#pragma GCC optimize("fp-contract=off")
+
+namespace trainstream {
+namespace {
+
+constexpr int64_t kNf4Block = 64;    // weights per absmax
+constexpr int64_t kNf4Group = 256;   // absmax values per double-quantisation scale
+constexpr int64_t kNvfp4Block = 16;  // weights per E4M3 block scale
+constexpr float kE4m3Max = 448.0f;
+constexpr float kE2m1Max = 6.0f;
+
+// bitsandbytes' NF4 code (bitsandbytes/backends/utils.py, _NF4_QUANT_TABLE); same values as ops.NF4_CODE.
+constexpr float kNf4Code[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
+    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
+    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+    0.7229568362236023f, 1.0f};
+
+// E2M1 code -> value; bit 3 is the sign.
+constexpr float kE2m1Value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+struct Nf4Midpoints {
+  float m[15];
+  Nf4Midpoints() {
+    for (int i = 0; i < 15; ++i) m[i] = (kNf4Code[i] + kNf4Code[i + 1]) * 0.5f;
+  }
+};
+const Nf4Midpoints& nf4_midpoints() {
+  static const Nf4Midpoints mids;
+  return mids;
+}
+
+// Index of the nearest NF4 code: the number of midpoints strictly below v (ties go to the lower code), as
+// torch.bucketize(v, midpoints) counts. Branch-free binary search over the 15 sorted midpoints.
+inline uint8_t nf4_encode(float v, const float* mid) {
+  int idx = 0;
+  idx += (mid[idx + 7] < v) ? 8 : 0;
+  idx += (mid[idx + 3] < v) ? 4 : 0;
+  idx += (mid[idx + 1] < v) ? 2 : 0;
+  idx += (mid[idx] < v) ? 1 : 0;
+  return static_cast<uint8_t>(idx);
+}
+
+// Round v to the nearest E2M1 value, ties to the even code, saturating at +-6 (what torch's float->fp4 test
+// helper _f32_to_floatx_unpacked does); sign from the sign bit, so -0.0 encodes as 0x8.
+inline uint8_t e2m1_encode(float v) {
+  const float a = std::fabs(v);
+  uint8_t c = static_cast<uint8_t>((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                                   (a >= 3.5f) + (a > 5.0f));
+  return static_cast<uint8_t>(c | (std::signbit(v) ? 8 : 0));
+}
+
+// User errors raise the Python exception types the references raise: ValueError (TORCH_CHECK_VALUE) and
+// TypeError (TORCH_CHECK_TYPE).
+void check_weight(const at::Tensor& w, const char* op, int64_t multiple) {
+  TORCH_CHECK_VALUE(w.dim() == 2, op, ": weight must be 2-D (out_features, in_features), got shape ", w.sizes());
+  const auto t = w.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
+                   ": weight must be float32, bfloat16 or float16, got ", t);
+  TORCH_CHECK_VALUE(w.numel() > 0, op, ": weight is empty (shape ", w.sizes(), ")");
+  TORCH_CHECK_VALUE(w.size(1) % multiple == 0, op, ": in_features must be a multiple of ", multiple, ", got ",
+                    w.size(1), "; pad the weight's columns (and the input's features) with zeros");
+}
+
+void check_out_dtype(at::ScalarType dtype, const char* op) {
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
+}
+
+void check_buffer(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype,
+                  at::IntArrayRef sizes) {
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == sizes, op, ": ", name, " must have shape ", sizes, ", got ", t.sizes());
+}
+
+// Calls fn(const T* x) with the weight's data as float / BFloat16 / Half.
+template <typename Fn>
+void with_input(const at::Tensor& w, Fn&& fn) {
+  switch (w.scalar_type()) {
+    case at::kFloat: fn(w.data_ptr<float>()); break;
+    case at::kBFloat16: fn(w.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: fn(w.data_ptr<at::Half>()); break;
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked weight dtype");
+  }
+}
+
+template <typename Fn>
+void with_output(at::Tensor& out, Fn&& fn) {
+  switch (out.scalar_type()) {
+    case at::kFloat: fn(out.data_ptr<float>()); break;
+    case at::kBFloat16: fn(out.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: fn(out.data_ptr<at::Half>()); break;
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked output dtype");
+  }
+}
+
+void parallel(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  global_pool().parallel_for(n, grain, default_num_threads(), fn);
+}
+
+// The NF4 absmax offset: their mean, summed exactly (in fixed point with 32 bits below the largest absmax's
+// leading bit) so that every device and thread count gets the same float. Mirrors ops._nf4_offset_reference.
+float nf4_offset(const float* absmax, int64_t nb) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) amax = std::max(amax, absmax[i]);
+  if (amax == 0.0f) return 0.0f;
+  int e = 0;
+  std::frexp(amax, &e);
+  const int k = 32 - e;
+  int64_t total = 0;
+  for (int64_t i = 0; i < nb; ++i) total += static_cast<int64_t>(std::floor(std::ldexp(double(absmax[i]), k)));
+  const double mean = static_cast<double>(total) / static_cast<double>(nb);
+  return static_cast<float>(std::ldexp(mean, -k));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_nf4_cpu(const at::Tensor& weight) {
+  check_weight(weight, "quantize_nf4", kNf4Block);
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = w.size(0), cols = w.size(1);
+  const int64_t nb = w.numel() / kNf4Block, ng = (nb + kNf4Group - 1) / kNf4Group;
+  const auto opts = w.options();
+  at::Tensor data = at::empty({rows, cols / 2}, opts.dtype(at::kByte));
+  at::Tensor absmax_q = at::empty({nb}, opts.dtype(at::kFloat8_e4m3fn));
+  at::Tensor absmax_scale = at::empty({ng}, opts.dtype(at::kFloat));
+  at::Tensor absmax_offset = at::empty({}, opts.dtype(at::kFloat));
+  std::vector<float> absmax(nb), dq(nb);
+  std::atomic<bool> finite{true};
+
+  with_input(w, [&](const auto* x) {
+    // 1. absmax per block of 64.
+    parallel(nb, 1024, [&](int64_t b0, int64_t b1) {
+      bool ok = true;
+      for (int64_t b = b0; b < b1; ++b) {
+        float m = 0.0f;
+        for (int64_t i = 0; i < kNf4Block; ++i) {
+          const float a = std::fabs(static_cast<float>(x[b * kNf4Block + i]));
+          ok = ok && std::isfinite(a);
+          m = std::max(m, a);
+        }
+        absmax[b] = m;
+      }
+      if (!ok) finite.store(false);
+    });
+    TORCH_CHECK_VALUE(finite.load(), "quantize_nf4: weight contains inf or NaN");
+
+    // 2. Double quantisation: absmax - offset, per group of 256 scaled into E4M3 by max|.| / 448.
+    const float offset = nf4_offset(absmax.data(), nb);
+    absmax_offset.data_ptr<float>()[0] = offset;
+    auto* q = absmax_q.data_ptr<c10::Float8_e4m3fn>();
+    float* s2 = absmax_scale.data_ptr<float>();
+    parallel(ng, 64, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t lo = g * kNf4Group, hi = std::min(nb, lo + kNf4Group);
+        float m = 0.0f;
+        for (int64_t b = lo; b < hi; ++b) m = std::max(m, std::fabs(absmax[b] - offset));
+        const float s = m / kE4m3Max;
+        s2[g] = s;
+        for (int64_t b = lo; b < hi; ++b) {
+          const c10::Float8_e4m3fn qb(s > 0.0f ? (absmax[b] - offset) / s : 0.0f);
+          q[b] = qb;
+          dq[b] = static_cast<float>(qb) * s + offset;
+        }
+      }
+    });
+
+    // 3. Codes against the dequantised absmax (what dequantize will multiply by), two per byte, the even
+    //    element in the high nibble (bitsandbytes' order).
+    const float* mid = nf4_midpoints().m;
+    uint8_t* out = data.data_ptr<uint8_t>();
+    parallel(nb, 1024, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float d = dq[b];
+        const auto* xb = x + b * kNf4Block;
+        uint8_t* ob = out + b * (kNf4Block / 2);
+        for (int64_t i = 0; i < kNf4Block; i += 2) {
+          const float v0 = d != 0.0f ? static_cast<float>(xb[i]) / d : 0.0f;
+          const float v1 = d != 0.0f ? static_cast<float>(xb[i + 1]) / d : 0.0f;
+          ob[i / 2] = static_cast<uint8_t>((nf4_encode(v0, mid) << 4) | nf4_encode(v1, mid));
+        }
+      }
+    });
+  });
+  return {data, absmax_q, absmax_scale, absmax_offset};
+}
+
+at::Tensor dequantize_nf4_cpu(const at::Tensor& data, const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
+                              const at::Tensor& absmax_offset, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2, "dequantize_nf4: data must be 2-D (out_features, in_features / 2), got shape ",
+              data.sizes());
+  TORCH_CHECK(data.scalar_type() == at::kByte, "dequantize_nf4: data must be uint8, got ", data.scalar_type());
+  TORCH_CHECK((data.size(1) * 2) % kNf4Block == 0, "dequantize_nf4: in_features (", data.size(1) * 2,
+              ") must be a multiple of ", kNf4Block);
+  check_out_dtype(dtype, "dequantize_nf4");
+  const int64_t rows = data.size(0), cols = data.size(1) * 2;
+  const int64_t nb = rows * cols / kNf4Block, ng = (nb + kNf4Group - 1) / kNf4Group;
+  check_buffer(absmax_q, "dequantize_nf4", "absmax_q", at::kFloat8_e4m3fn, {nb});
+  check_buffer(absmax_scale, "dequantize_nf4", "absmax_scale", at::kFloat, {ng});
+  check_buffer(absmax_offset, "dequantize_nf4", "absmax_offset", at::kFloat, {});
+  const at::Tensor dc = data.contiguous(), qc = absmax_q.contiguous(), sc = absmax_scale.contiguous();
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(dtype));
+  const uint8_t* in = dc.data_ptr<uint8_t>();
+  const auto* q = qc.data_ptr<c10::Float8_e4m3fn>();
+  const float* s2 = sc.data_ptr<float>();
+  const float offset = absmax_offset.item<float>();
+  with_output(out, [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    parallel(nb, 1024, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float d = static_cast<float>(q[b]) * s2[b / kNf4Group] + offset;
+        const uint8_t* ib = in + b * (kNf4Block / 2);
+        T* ob = o + b * kNf4Block;
+        for (int64_t i = 0; i < kNf4Block / 2; ++i) {
+          ob[2 * i] = static_cast<T>(kNf4Code[ib[i] >> 4] * d);
+          ob[2 * i + 1] = static_cast<T>(kNf4Code[ib[i] & 0xF] * d);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_nvfp4_cpu(const at::Tensor& weight) {
+  check_weight(weight, "quantize_nvfp4", kNvfp4Block);
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = w.size(0), cols = w.size(1), nb = w.numel() / kNvfp4Block;
+  const auto opts = w.options();
+  at::Tensor data = at::empty({rows, cols / 2}, opts.dtype(at::kByte));
+  at::Tensor block_scale = at::empty({rows, cols / kNvfp4Block}, opts.dtype(at::kFloat8_e4m3fn));
+  at::Tensor tensor_scale = at::empty({}, opts.dtype(at::kFloat));
+  std::vector<float> bmax(nb);
+  std::atomic<bool> finite{true};
+
+  with_input(w, [&](const auto* x) {
+    parallel(nb, 4096, [&](int64_t b0, int64_t b1) {
+      bool ok = true;
+      for (int64_t b = b0; b < b1; ++b) {
+        float m = 0.0f;
+        for (int64_t i = 0; i < kNvfp4Block; ++i) {
+          const float a = std::fabs(static_cast<float>(x[b * kNvfp4Block + i]));
+          ok = ok && std::isfinite(a);
+          m = std::max(m, a);
+        }
+        bmax[b] = m;
+      }
+      if (!ok) finite.store(false);
+    });
+    TORCH_CHECK_VALUE(finite.load(), "quantize_nvfp4: weight contains inf or NaN");
+    float amax = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) amax = std::max(amax, bmax[b]);
+    // Per-tensor scale so that the largest block scale lands on E4M3's 448: amax / (448 * 6).
+    const float ts = amax / (kE4m3Max * kE2m1Max);
+    tensor_scale.data_ptr<float>()[0] = ts;
+
+    auto* sb = block_scale.data_ptr<c10::Float8_e4m3fn>();
+    uint8_t* out = data.data_ptr<uint8_t>();
+    parallel(nb, 4096, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const c10::Float8_e4m3fn s(ts > 0.0f ? (bmax[b] / kE2m1Max) / ts : 0.0f);
+        sb[b] = s;
+        const float t = ts * static_cast<float>(s);
+        const auto* xb = x + b * kNvfp4Block;
+        uint8_t* ob = out + b * (kNvfp4Block / 2);
+        // Two codes per byte, the even element in the low nibble (torch.float4_e2m1fn_x2's order).
+        for (int64_t i = 0; i < kNvfp4Block; i += 2) {
+          const uint8_t c0 = t > 0.0f ? e2m1_encode(static_cast<float>(xb[i]) / t) : 0;
+          const uint8_t c1 = t > 0.0f ? e2m1_encode(static_cast<float>(xb[i + 1]) / t) : 0;
+          ob[i / 2] = static_cast<uint8_t>(c0 | (c1 << 4));
+        }
+      }
+    });
+  });
+  return {data, block_scale, tensor_scale};
+}
+
+at::Tensor dequantize_nvfp4_cpu(const at::Tensor& data, const at::Tensor& block_scale,
+                                const at::Tensor& tensor_scale, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2, "dequantize_nvfp4: data must be 2-D (out_features, in_features / 2), got shape ",
+              data.sizes());
+  TORCH_CHECK(data.scalar_type() == at::kByte, "dequantize_nvfp4: data must be uint8, got ", data.scalar_type());
+  TORCH_CHECK((data.size(1) * 2) % kNvfp4Block == 0, "dequantize_nvfp4: in_features (", data.size(1) * 2,
+              ") must be a multiple of ", kNvfp4Block);
+  check_out_dtype(dtype, "dequantize_nvfp4");
+  const int64_t rows = data.size(0), cols = data.size(1) * 2, nb = rows * cols / kNvfp4Block;
+  check_buffer(block_scale, "dequantize_nvfp4", "block_scale", at::kFloat8_e4m3fn, {rows, cols / kNvfp4Block});
+  check_buffer(tensor_scale, "dequantize_nvfp4", "tensor_scale", at::kFloat, {});
+  const at::Tensor dc = data.contiguous(), sc = block_scale.contiguous();
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(dtype));
+  const uint8_t* in = dc.data_ptr<uint8_t>();
+  const auto* sb = sc.data_ptr<c10::Float8_e4m3fn>();
+  const float ts = tensor_scale.item<float>();
+  with_output(out, [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    parallel(nb, 4096, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float t = ts * static_cast<float>(sb[b]);
+        const uint8_t* ib = in + b * (kNvfp4Block / 2);
+        T* ob = o + b * kNvfp4Block;
+        for (int64_t i = 0; i < kNvfp4Block / 2; ++i) {
+          ob[2 * i] = static_cast<T>(kE2m1Value[ib[i] & 0xF] * t);
+          ob[2 * i + 1] = static_cast<T>(kE2m1Value[ib[i] >> 4] * t);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace trainstream
+
+TORCH_LIBRARY_IMPL(trainstream, CPU, m) {
+  m.impl("quantize_nf4", &trainstream::quantize_nf4_cpu);
+  m.impl("dequantize_nf4", &trainstream::dequantize_nf4_cpu);
+  m.impl("quantize_nvfp4", &trainstream::quantize_nvfp4_cpu);
+  m.impl("dequantize_nvfp4", &trainstream::dequantize_nvfp4_cpu);
+}
