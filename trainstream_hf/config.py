@@ -71,6 +71,10 @@ class TrainStreamConfig:
         "help": "CPU threads that copy unpinned weights into pinned staging buffers; 0 = min(8, cores)."})
     peer: str | bool = field(default="auto", metadata={
         "help": "Share pinned host pools between the GPUs of one host: 'auto', True or False."})
+    device: str | None = field(default=None, metadata={
+        "help": "Compute device, e.g. 'cuda:0'. Default: where the model's parameters are. A model loaded in "
+                "host RAM (larger than the GPU) is placed by the plan: paged block weights go to the arena, "
+                "the rest to this device."})
     offload_optimizer: str | bool = field(default="auto", metadata={
         "help": "fp32 master weights and AdamW moments of large trainable parameters in host RAM, stepped on "
                 "the CPU: 'auto' (when the plan needs the room), True or False."})

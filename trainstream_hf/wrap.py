@@ -197,6 +197,20 @@ def _compute_device(model: nn.Module) -> torch.device:
     return cuda[0] if cuda else torch.device("cpu")
 
 
+def _move_outside_blocks(model: nn.Module, block_modules: set[int], device: torch.device) -> None:
+    """Moves the parameters and buffers of every module outside the blocks (embeddings, rotary tables,
+    final norm, head) to ``device``, in place (parameter objects keep their identity for the optimizer)."""
+    for m in model.modules():
+        if id(m) in block_modules:
+            continue
+        for p in m.parameters(recurse=False):
+            if p.device != device:
+                p.data = p.data.to(device)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
 def _default_batch_shape(model: nn.Module) -> tuple[int, int]:
     cfg = getattr(model, "config", None)
     return (1, min(2048, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)))
@@ -228,11 +242,22 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
     device = _compute_device(model)
+    if config.device is not None:
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     blocks = find_blocks(model)
     batch_shape = config.batch_shape or _default_batch_shape(model)
+    block_set = {id(m) for b in blocks for m in b.modules()}
+    _move_outside_blocks(model, block_set, device)
+    first_home = {p.device for p in blocks[0].parameters()}
+    if first_home != {device}:
+        blocks[0].to(device)  # for the measurement only; the plan decides where it lives
     # Measured, not estimated: the analytic formula missed LoRA's and the norms' saved tensors by ~40% on
     # the H200 (benchmarks/NOTES.md, 2026-12-03).
     m = planner.measure_block(model, blocks[0], batch_shape, device)
+    if first_home != {device}:
+        blocks[0].to(next(iter(first_home)) if len(first_home) == 1 else "cpu")
     pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
                       offload_optimizer=config.offload_optimizer if optimizer is not None else False,
                       grads=config.grads, offload_activations=config.offload_activations,
@@ -263,6 +288,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             # device optimizer: paging them would save little and put them on the CPU optimizer.
             pager = WeightPager(hooks, streams, arena, blocks=pl.paged_blocks, slots=pl.slots, prefetch=pl.prefetch,
                                 param_filter=lambda n, p: not p.requires_grad or p.numel() >= pl.min_offload_numel)
+        # Whatever the pager did not take (unpaged blocks, small trainable parameters, buffers) goes to the
+        # compute device; paged parameters are device placeholders already, so .to() leaves them alone.
+        for b in blocks:
+            b.to(device)
         if pl.offloaded_activation_blocks:
             offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
                                             min_bytes=parse_bytes(config.min_activation_bytes))

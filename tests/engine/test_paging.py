@@ -460,3 +460,23 @@ def test_argument_validation():
         ActivationOffloader(hooks, streams, arena, blocks=[5])
     hooks.remove()
     assert all(p.numel() > 0 for p in model.parameters())  # nothing was paged
+
+
+def test_failed_construction_gives_the_paged_blocks_back():
+    """Blocks are freed as soon as they are copied; if a later block cannot be copied (here: a fixed arena
+    that runs out), the ones already paged get their values back."""
+    from trainstream_hf.engine.arena import ArenaExhaustedError
+    model = _model("llama", layers=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    one_block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    arena = HostArena(size=2 * 2**20 if one_block < 2**20 else one_block + 2**20, pinned=False,
+                      slab_bytes="2MiB")
+    arena.reserve(0)
+    hooks = BlockHooks(find_blocks(model))
+    filler = arena.empty([arena.stats()["largest_free"] - one_block - 4096], torch.uint8)  # room for ~1 block
+    with pytest.raises(ArenaExhaustedError):
+        WeightPager(hooks, TransferStreams("cpu"), arena, slots=2, prefetch=1)
+    hooks.remove()
+    del filler
+    for p, q in zip(before, model.parameters()):
+        assert torch.equal(p, q)

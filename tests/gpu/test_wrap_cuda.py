@@ -69,3 +69,35 @@ def test_offloaded_adamw_with_paging_matches_torch_cuda(grads):
     ts.unwrap(model)
     diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
     assert diff < 1e-6
+
+
+def test_model_in_host_ram_paged_onto_the_gpu():
+    """A model loaded on the CPU, wrapped with device='cuda' and paged weights: non-block parts and slots
+    on the GPU, block weights in the arena; losses and gradients equal a GPU copy of the same model."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                      attn_implementation="eager")
+    cpu_model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ref = copy.deepcopy(cpu_model).cuda()
+    for m in (cpu_model, ref):
+        for n, p in m.named_parameters():
+            p.requires_grad_("layers" not in n)
+    model, _ = ts.wrap(cpu_model, None, device="cuda", page_weights=True, offload_activations=False,
+                       vram_budget="64GiB")
+    assert model.model.embed_tokens.weight.is_cuda and model.lm_head.weight.is_cuda
+    assert ts.engine_of(model).plan.paged_blocks == [0, 1, 2, 3]
+    for s in range(3):
+        ids = _ids(s)
+        la = ref(input_ids=ids, labels=ids).loss
+        la.backward()
+        lb = model(input_ids=ids, labels=ids).loss
+        lb.backward()
+        assert torch.equal(la, lb)
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), n
+            p.grad = q.grad = None
+    ts.unwrap(model)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert q.is_cuda and torch.equal(p, q)

@@ -145,6 +145,7 @@ class WeightPager(BlockListener):
             for _, p in m.named_parameters(remove_duplicate=False):
                 uses[id(p)] = uses.get(id(p), 0) + 1
         self._blocks: dict[int, _Block] = {}
+        self._origin: dict[int, list[torch.device]] = {}
         skipped = []
         for i in chosen:
             params = []
@@ -159,7 +160,16 @@ class WeightPager(BlockListener):
                                      f"parameters must be on the host or on the compute device {self.device}")
                 params.append(p)
             if params:
-                self._blocks[i] = _Block(i, params, arena)
+                try:
+                    self._blocks[i] = blk = _Block(i, params, arena)
+                except BaseException:
+                    self._restore_partial()
+                    raise
+                # Free each block's original as soon as it has a host copy, so that paging a model that
+                # sits in (pageable) host RAM needs one block of headroom, not a second copy of the model.
+                self._origin[i] = [p.device for p in blk.params]
+                for p in blk.params:
+                    p.data = self._placeholder(p)
         if skipped:
             warnings.warn(f"WeightPager: {len(skipped)} parameters are shared beyond their block and stay on "
                           f"the device: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
@@ -180,9 +190,6 @@ class WeightPager(BlockListener):
         self._stats = {"h2d_bytes": 0, "h2d_copies": 0, "loads_forward": 0, "loads_backward": 0,
                        "reused_backward": 0, "weight_refs": 0}
         self.closed = False
-        for b in self._blocks.values():
-            for p in b.params:
-                p.data = self._placeholder(p)  # the original device copy (if any) is freed here
         hooks.add(self)
 
     # -- public ---------------------------------------------------------------------------------
@@ -361,6 +368,13 @@ class WeightPager(BlockListener):
         self._loaded_in.pop(j, None)
         for p in self._blocks[j].params:
             p.data = self._placeholder(p)
+
+    def _restore_partial(self) -> None:
+        """Construction failed: the blocks already paged get their values back where they came from."""
+        for i, blk in self._blocks.items():
+            for p, h, dev in zip(blk.params, blk.host, self._origin.get(i, [])):
+                p.data = h.to(dev, copy=True)
+        self._blocks.clear()
 
     def _placeholder(self, p: nn.Parameter) -> torch.Tensor:
         return torch.empty(0, dtype=p.dtype, device=self.device)
