@@ -273,7 +273,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     # Pin what the plan needs now, in one go: pinning is slow (~0.4 s/GiB on the H200 host) and a host too
     # small must be refused here, with needed vs available, not in the middle of a step.
     if arena.growable:
-        arena.reserve(pl.host_bytes())
+        # Paged weights that already sit in host RAM are moved block by block (each original freed once
+        # copied), so their slabs are pinned as the pager goes, while the memory they replace is released.
+        in_host = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
+                      if p.device.type == "cpu")
+        arena.reserve(max(0, pl.host_bytes() - in_host))
     elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
         arena.close()
         raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the plan "

@@ -199,3 +199,15 @@ def test_extra_jobs_join_the_table_with_ratios():
     _, a, b = payload["results"]
     assert a["x_first"] == 1.0 and b["x_first"] == pytest.approx(2.0)
     assert "x_first" not in payload["results"][0] and "| lora | job 0.5 | ok |" in md
+
+
+def test_engine_quick_runs_trainstream_beside_peers(tmp_path, capsys):
+    main(["engine", "--quick", "--seq", "16", "--repeats", "2",
+          "--peers", "peft,ts_lora,ts_full,ts_paged", "--out", str(tmp_path), "--name", "e"])
+    data = json.loads((tmp_path / "e.json").read_text())
+    rows = {r["key"]: r for r in data["results"]}
+    assert data["suite"] == "engine" and set(rows) == {"peft", "ts_lora", "ts_full", "ts_paged"}
+    for key in ("ts_lora", "ts_full", "ts_paged"):
+        assert rows[key]["status"] == "ok" and rows[key]["step_s"] > 0, rows[key]
+        assert rows[key]["predicted_peak"] > 0 and "engine_stats" in rows[key]
+    assert rows["ts_full"]["offloaded_optimizer_params"] > 0
