@@ -118,7 +118,10 @@ class Engine:
         self.steps += 1
 
     def stats(self) -> dict:
-        """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part)."""
+        """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part).
+
+        A step runs from one forward of block 0 to the next. To report a per-step peak the engine resets
+        CUDA's peak-memory statistics at each step start (``torch.cuda.reset_peak_memory_stats``)."""
         return dict(self._last)
 
     # -- checkpointed blocks -----------------------------------------------------------------------
@@ -178,6 +181,7 @@ class Engine:
         self.hooks.remove()
         self.streams.timeline = None
         self.streams.synchronize()
+        self.arena.close()  # pinned slabs go back once the last tensor in them (e.g. optimizer state) dies
         for name in (_ATTR, "trainstream_stats", "trainstream_plan"):
             self.model.__dict__.pop(name, None)
         return self.model
@@ -221,8 +225,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     """Installs the offload engine on ``model`` (and ``optimizer``); the training loop stays unchanged.
 
     Args:
-        model: a model on its compute device (a GPU, or ``cpu``), e.g. a transformers causal LM or a PEFT
-            model around one. Its repeated blocks are found automatically.
+        model: a transformers causal LM (or a PEFT model around one) on its compute device (a GPU, or
+            ``cpu``), or in host RAM with ``device="cuda"`` when it is larger than the GPU. Its repeated
+            blocks are found automatically.
         optimizer: the user's ``torch.optim.AdamW`` / ``Adam`` over the model's parameters, or None.
         config: a :class:`TrainStreamConfig`; ``options`` override its fields (or build one).
         **options: any :class:`TrainStreamConfig` field, e.g. ``vram_budget="24GiB"``.
