@@ -1,17 +1,18 @@
 """The plan: where each block's weights, activations, gradients and optimizer state live for a VRAM budget.
 
-``plan()`` estimates, per block, the bytes of weights (in their device dtype), trainable parameters and
-saved activations for one micro-batch, then moves things to host RAM in order of increasing PCIe cost per
-byte of VRAM saved until the predicted peak fits the budget:
+``plan()`` takes, per block, the bytes of weights (in their device dtype), trainable parameters and saved
+activations for one micro-batch (measured by :func:`measure_block` when ``wrap`` calls it; an analytic
+estimate otherwise), then moves things off the device, cheapest first, until the predicted peak plus a
+margin fits the budget:
 
-1. optimizer state (fp32 master, exp_avg, exp_avg_sq) of large trainable parameters: costs no PCIe bytes
+1. optimizer state (fp32 master, exp_avg, exp_avg_sq) of large trainable parameters: no extra PCIe bytes
    beyond the gradient and the refreshed weight, but CPU AdamW time;
 2. their gradients (device -> host as soon as each is accumulated);
-3. saved activations, block by block (down once in forward, up once in backward);
+3. saved activations: first the blocks whose copies hide under compute (measured block forward time x
+   PCIe bandwidth), then checkpointing (one extra block forward each), then offloading the rest;
 4. weights, block by block (up in forward and again in backward, less the blocks still resident).
 
-The estimates are analytic (see :func:`activation_bytes_per_token`); ``print(plan)`` shows the table and
-the predicted peak, and the engine reports the measured one next to it.
+``print(plan)`` shows the table and the predicted peak; the engine reports the measured peak beside it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from torch import nn
 
 from trainstream_hf.config import parse_bytes
 
-__all__ = ["BlockPlan", "Plan", "BudgetError", "plan", "resolve_budget", "activation_bytes_per_token"]
+__all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
+           "measure_activation_bytes", "activation_bytes_per_token"]
 
 GiB = 2**30
 # Parameters smaller than this stay with the device optimizer even when optimizer state is offloaded:
