@@ -1,0 +1,102 @@
+"""Trainer integration on the CPU: the engine inside a real transformers Trainer gives the same model."""
+import copy
+
+import pytest
+import torch
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import trainstream_hf as ts
+from trainstream_hf.integrations.transformers import (TrainStreamCallback, TrainStreamTrainer,
+                                                      TrainStreamTrainingArguments)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=32))
+
+
+def _data(n=24, t=16):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (n, t), generator=g)
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+COMMON = dict(max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.1,
+              logging_steps=2, report_to=[], use_cpu=True, save_strategy="no", seed=0, max_grad_norm=1.0,
+              lr_scheduler_type="linear", warmup_steps=2, dataloader_num_workers=0)
+
+
+def test_trainstream_trainer_matches_plain_trainer(tmp_path):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **COMMON),
+            train_dataset=_data()).train()
+    args = TrainStreamTrainingArguments(
+        output_dir=str(tmp_path / "b"), trainstream="on", trainstream_offload_optimizer="true",
+        trainstream_offload_activations="true", trainstream_min_offload_numel=0,
+        trainstream_min_activation_bytes="0", trainstream_vram_budget="64GiB", trainstream_host_arena="auto",
+        **COMMON)
+    trainer = TrainStreamTrainer(model=model, args=args, train_dataset=_data())
+    seen = {}
+
+    class Spy(TrainStreamCallback.__mro__[1]):  # a plain TrainerCallback
+        def on_step_end(self, args, state, control, optimizer=None, model=None, **kw):
+            seen["opt"] = type(optimizer.optimizer).__name__
+            seen["engine"] = ts.engine_of(model) is not None
+
+    trainer.add_callback(Spy())
+    trainer.train()
+    assert seen == {"opt": "OffloadedAdamW", "engine": True}
+    assert ts.engine_of(model) is None  # unwrapped at train end
+    diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
+    assert diff < 1e-6
+    logged = [h for h in trainer.state.log_history if "trainstream/h2d_GBps" in h]
+    assert logged and all(h["trainstream/arena_used_GiB"] > 0 for h in logged)
+
+
+def test_callback_on_a_plain_trainer(tmp_path):
+    model = _model()
+    cb = TrainStreamCallback(offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB")
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), **COMMON),
+                      train_dataset=_data(), callbacks=[cb])
+    trainer.train()
+    assert cb.last["optimizer"]["offloaded_params"] > 0 and ts.engine_of(model) is None
+
+
+def test_command_line_flags():
+    (args,) = HfArgumentParser(TrainStreamTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--trainstream", "on", "--trainstream_vram_budget", "24GiB",
+         "--trainstream_offload_optimizer", "true", "--trainstream_quantize", "nf4", "--use_cpu", "true"])
+    cfg = args.trainstream_config()
+    assert args.trainstream_enabled() and cfg.vram_budget == "24GiB" and cfg.offload_optimizer is True
+    assert cfg.quantize == "nf4" and cfg.grads == "device"
+    frac = HfArgumentParser(TrainStreamTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--trainstream_vram_budget", "0.5", "--use_cpu", "true"])[0]
+    assert frac.trainstream_config().vram_budget == 0.5
+
+
+@pytest.mark.parametrize("kw,msg", [({"trainstream": "maybe"}, "'auto', 'on' or 'off'"),
+                                    ({"trainstream_quantize": "int3"}, "unknown format"),
+                                    ({"trainstream_vram_budget": "lots"}, "cannot parse")])
+def test_bad_arguments(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        TrainStreamTrainingArguments(output_dir="/tmp/x", use_cpu=True, **kw)
+
+
+def test_host_grads_with_clipping_refused(tmp_path):
+    model = _model()
+    cb = TrainStreamCallback(offload_optimizer=True, min_offload_numel=0, grads="host", vram_budget="64GiB")
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), **COMMON),
+                      train_dataset=_data(), callbacks=[cb])
+    with pytest.raises(ValueError, match="max_grad_norm=0"):
+        trainer.train()

@@ -1,0 +1,179 @@
+"""transformers' Trainer: a TrainingArguments flag, a TrainerCallback that installs the engine, a Trainer.
+
+Three ways in, all building one :class:`TrainStreamConfig` and calling the same :func:`wrap`:
+
+* ``TrainStreamTrainingArguments(..., trainstream="auto", trainstream_vram_budget="24GiB")`` with
+  ``TrainStreamTrainer`` (or the callback by hand); every option is a ``--trainstream_*`` command-line flag
+  through ``HfArgumentParser``;
+* ``Trainer(..., callbacks=[TrainStreamCallback(vram_budget="24GiB")])`` with any TrainingArguments;
+* ``TrainStreamTrainer``, which adds the callback when the arguments ask for it and puts the engine's
+  figures (H2D / D2H GB/s, overlap, peak VRAM, arena use) into every log, so they reach TensorBoard / W&B
+  like the loss does.
+
+The callback installs the engine when training begins, after the Trainer (through Accelerate) has built and
+prepared its optimizer: the prepared optimizer's inner torch optimizer is replaced by the engine's
+(``AcceleratedOptimizer.optimizer``), and the LR scheduler keeps working because the two share their
+param-group dicts. Targets transformers 5.17-5.24 and accelerate 1.15-1.16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.wrap import engine_of, unwrap, wrap
+
+__all__ = ["TrainStreamCallback", "TrainStreamTrainingArguments", "TrainStreamTrainer", "log_figures"]
+
+_PREFIX = "trainstream_"
+
+
+def log_figures(stats: dict) -> dict[str, float]:
+    """The engine's last-step figures as flat ``trainstream/<name>`` scalars for a Trainer log."""
+    out: dict[str, float] = {}
+    for key in ("h2d_GBps", "d2h_GBps", "overlap", "step_seconds", "peak_allocated_bytes",
+                "peak_reserved_bytes", "arena_used_bytes", "predicted_peak_bytes"):
+        v = stats.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            name = key.replace("_bytes", "_GiB")
+            out[f"trainstream/{name}"] = v / 2**30 if key.endswith("_bytes") else float(v)
+    opt = stats.get("optimizer") or {}
+    if isinstance(opt.get("adam_seconds"), float):
+        out["trainstream/cpu_adamw_seconds"] = opt["adam_seconds"]
+    return out
+
+
+class TrainStreamCallback(TrainerCallback):
+    """Installs trainstream into a Trainer's model and optimizer when training begins.
+
+    Args:
+        config: a :class:`TrainStreamConfig`; ``options`` override its fields (or build one).
+        **options: :class:`TrainStreamConfig` fields, e.g. ``vram_budget="24GiB"``.
+
+    Gradients stay on the device (the Trainer clips them with ``torch.nn.utils.clip_grad_norm_`` through
+    Accelerate, which cannot see gradients held in host RAM) unless ``grads="host"`` is asked for and
+    ``max_grad_norm`` is 0. fp16 mixed precision (a GradScaler) is refused: use bf16.
+    """
+
+    def __init__(self, config: TrainStreamConfig | None = None, **options):
+        base = config.to_dict() if config is not None else {}
+        base.update(options)
+        if base.get("grads", "auto") == "auto":
+            base["grads"] = "device"
+        self.config = TrainStreamConfig(**base)
+        self.model = None
+        self.last: dict = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if model is None or engine_of(model) is not None:
+            return
+        if self.config.grads == "host" and args.max_grad_norm:
+            raise ValueError("TrainStreamCallback: grads='host' keeps gradients where the Trainer's clipping "
+                             "cannot see them; set max_grad_norm=0 or use grads='device'")
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if getattr(optimizer, "scaler", None) is not None:
+            raise ValueError("TrainStreamCallback: fp16 with a GradScaler is not supported; train in bf16")
+        if inner is None:
+            raise ValueError("TrainStreamCallback: the Trainer has no optimizer at train begin")
+        shape = self.config.batch_shape or (args.per_device_train_batch_size,
+                                             getattr(getattr(model, "config", None), "max_position_embeddings",
+                                                     2048) or 2048)
+        cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape)})
+        _, new_opt = wrap(model, inner, cfg)
+        if new_opt is not inner:
+            if inner is optimizer:
+                unwrap(model)
+                raise ValueError("TrainStreamCallback: the Trainer's optimizer is not an Accelerate-prepared "
+                                 "optimizer, so it cannot be replaced from a callback; use TrainStreamTrainer")
+            optimizer.optimizer = new_opt
+        self.model = model
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.model is not None and engine_of(self.model) is not None:
+            self.last = self.model.trainstream_stats()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # Callbacks after this one see the figures; TrainStreamTrainer.log adds them before any does.
+        if logs is not None and self.last:
+            for k, v in log_figures(self.last).items():
+                logs.setdefault(k, v)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # The model goes back to an ordinary one holding the trained weights (for save / push / eval).
+        if self.model is not None and engine_of(self.model) is not None:
+            unwrap(self.model)
+        self.model = None
+
+
+@dataclass
+class TrainStreamTrainingArguments(TrainingArguments):
+    """TrainingArguments plus ``trainstream`` ("auto" / "on" / "off") and every engine option as
+    ``trainstream_<option>`` (strings on the command line: sizes like "24GiB", booleans "true"/"false")."""
+
+    trainstream: str = field(default="auto", metadata={
+        "help": "Install the trainstream engine: 'on', 'off', or 'auto' (on when a GPU is present)."})
+    trainstream_quantize: str | None = field(default=None, metadata={"help": "Frozen base format (issue 4)."})
+    trainstream_vram_budget: str = field(default="auto", metadata={
+        "help": "Device memory the plan may use: '24GiB', bytes, a fraction like '0.5', or 'auto'."})
+    trainstream_host_arena: str = field(default="auto", metadata={"help": "Pinned host memory: 'auto' or a size."})
+    trainstream_offload_optimizer: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
+    trainstream_offload_activations: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
+    trainstream_page_weights: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
+    trainstream_recompute: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
+    trainstream_timeline: bool = field(default=False, metadata={"help": "Time copies vs compute (overlap %)."})
+    trainstream_min_offload_numel: int = field(default=1 << 20, metadata={
+        "help": "Smaller trainable tensors keep their optimizer on the device."})
+    trainstream_min_activation_bytes: str = field(default="1MiB", metadata={
+        "help": "Smaller saved tensors stay on the device."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.trainstream not in ("auto", "on", "off"):
+            raise ValueError(f"trainstream: 'auto', 'on' or 'off', got {self.trainstream!r}")
+        self.trainstream_config()  # validate now, not when training starts
+
+    def trainstream_enabled(self) -> bool:
+        return self.trainstream == "on" or (self.trainstream == "auto" and torch.cuda.is_available())
+
+    def trainstream_config(self) -> TrainStreamConfig:
+        """The :class:`TrainStreamConfig` these arguments describe."""
+        def flag(v):
+            if isinstance(v, str) and v.lower() in ("true", "false"):
+                return v.lower() == "true"
+            return v
+
+        budget = self.trainstream_vram_budget
+        try:
+            budget = float(budget) if "." in str(budget) else budget
+        except ValueError:
+            pass
+        return TrainStreamConfig(
+            quantize=self.trainstream_quantize, vram_budget=budget, host_arena=self.trainstream_host_arena,
+            offload_optimizer=flag(self.trainstream_offload_optimizer),
+            offload_activations=flag(self.trainstream_offload_activations),
+            page_weights=flag(self.trainstream_page_weights), recompute=flag(self.trainstream_recompute),
+            timeline=self.trainstream_timeline, grads="device",
+            min_offload_numel=self.trainstream_min_offload_numel,
+            min_activation_bytes=self.trainstream_min_activation_bytes)
+
+
+class TrainStreamTrainer(Trainer):
+    """A Trainer that installs the engine when its arguments ask for it (``TrainStreamTrainingArguments``)
+    and adds the engine's figures to every log before the reporting callbacks see it."""
+
+    def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._ts_callback = None
+        enabled = trainstream_config is not None or (
+            isinstance(self.args, TrainStreamTrainingArguments) and self.args.trainstream_enabled())
+        if enabled:
+            cfg = trainstream_config or self.args.trainstream_config()
+            self._ts_callback = TrainStreamCallback(cfg)
+            self.add_callback(self._ts_callback)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self._ts_callback is not None and self._ts_callback.last:
+            logs.update(log_figures(self._ts_callback.last))
+        super().log(logs, *args, **kwargs)
