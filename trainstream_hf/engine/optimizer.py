@@ -144,6 +144,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for g in optimizer.param_groups:
             _hyper(type(optimizer), g)
         self._cls = type(optimizer)
+        self._user_optimizer = optimizer
         self._ready = False
         # same dicts, so a scheduler writing group["lr"] here is seen by both; torch's add_param_group keeps
         # the dict objects and only re-lists group["params"] with the same tensors
@@ -255,6 +256,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._released:
             raise RuntimeError("OffloadedAdamW.step() after release()")
+        # An LR scheduler built on the user's optimizer before wrapping watches *its* step() (torch marks
+        # `_opt_called`); this step stands for it.
+        self._user_optimizer._opt_called = True
         self.synchronize()  # an overlapped previous step must be complete (and its error raised)
         hyper = [_hyper(self._cls, g) for g in self.param_groups]
         self._grads.check_device_grads()  # nothing below runs on bad input

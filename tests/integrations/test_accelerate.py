@@ -1,0 +1,64 @@
+"""TrainStreamAccelerator on the CPU: prepare() installs the engine; training matches plain Accelerate."""
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+
+import trainstream_hf as ts
+from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.integrations.accelerate import TrainStreamAccelerator, TrainStreamPlugin
+
+
+def _model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=32))
+
+
+def _loop(acc, model, opt, sched, steps=5):
+    for s in range(steps):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("grads", ["device", "host"])
+def test_accelerator_installs_engine_and_matches(grads):
+    from accelerate import Accelerator
+    ref, model = _model(), None
+    model = copy.deepcopy(ref)
+    acc = Accelerator(cpu=True)
+    r_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    r_model, r_opt, r_sched = acc.prepare(ref, r_opt, get_linear_schedule_with_warmup(r_opt, 2, 5))
+    _loop(acc, r_model, r_opt, r_sched)
+
+    plugin = TrainStreamPlugin("on", TrainStreamConfig(offload_optimizer=True, min_offload_numel=0, grads=grads,
+                                                       vram_budget="64GiB"))
+    tacc = TrainStreamAccelerator(cpu=True, trainstream_plugin=plugin)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    p_model, p_opt, p_sched = tacc.prepare(model, opt, get_linear_schedule_with_warmup(opt, 2, 5))
+    assert type(p_opt.optimizer).__name__ == "OffloadedAdamW" and ts.engine_of(model) is not None
+    _loop(tacc, p_model, p_opt, p_sched)
+    tacc.end_training()
+    assert ts.engine_of(model) is None
+    diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
+    assert diff < 1e-6
+
+
+def test_plugin_from_env():
+    p = TrainStreamPlugin.from_env({"TRAINSTREAM": "on", "TRAINSTREAM_VRAM_BUDGET": "24GiB",
+                                    "TRAINSTREAM_OFFLOAD_OPTIMIZER": "true", "TRAINSTREAM_SLOTS": "3",
+                                    "TRAINSTREAM_PREFETCH": "2", "TRAINSTREAM_TRACE": "/tmp/t.json"})
+    assert p.active() and p.config.vram_budget == "24GiB" and p.config.offload_optimizer is True
+    assert p.config.slots == 3 and p.config.prefetch == 2
+    with pytest.raises(ValueError, match="unknown trainstream option"):
+        TrainStreamPlugin.from_env({"TRAINSTREAM_VRAM": "1GiB"})
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        TrainStreamPlugin.from_env({"TRAINSTREAM": "yes"})
+    assert not TrainStreamPlugin.from_env({"TRAINSTREAM": "off"}).active()
