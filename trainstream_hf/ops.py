@@ -120,6 +120,23 @@ _NF4_MIDPOINTS = (NF4_CODE[:-1] + NF4_CODE[1:]) * 0.5
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
 
+_DEVICE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (one of the constant code tables above) on ``device``, copied once per device and kept.
+
+    A pageable host-to-device copy synchronises with the host; caching it keeps the CUDA fallbacks (and the
+    QuantLinear forward built on them) free of host syncs after the first call.
+    """
+    if device.type == "cpu":
+        return table
+    key = (id(table), device)
+    cached = _DEVICE_TABLES.get(key)
+    if cached is None:
+        cached = _DEVICE_TABLES[key] = table.to(device)
+    return cached
+
 
 def check_weight(op: str, weight: torch.Tensor, multiple: int = 1) -> None:
     """Raises ValueError / TypeError unless ``weight`` can be quantized by ``op``.
@@ -256,7 +273,7 @@ def quantize_nf4_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     absmax_q = _safe_div(centred, absmax_scale.repeat_interleave(NF4_GROUP)[:nb]).to(torch.float8_e4m3fn)
     d = _nf4_block_absmax(absmax_q, absmax_scale, offset)
     v = _safe_div(x, d[:, None].expand_as(x))
-    codes = torch.bucketize(v, _NF4_MIDPOINTS.to(v.device)).to(torch.uint8).view(rows, cols)
+    codes = torch.bucketize(v, _on_device(_NF4_MIDPOINTS, v.device)).to(torch.uint8).view(rows, cols)
     data = (codes[:, 0::2] << 4) | codes[:, 1::2]
     return data, absmax_q, absmax_scale, offset
 
@@ -267,7 +284,7 @@ def dequantize_nf4_reference(data, absmax_q, absmax_scale, absmax_offset, dtype=
     rows, half = data.shape
     codes = torch.stack([data >> 4, data & 0xF], dim=-1).view(-1, NF4_BLOCK).long()
     d = _nf4_block_absmax(absmax_q, absmax_scale, absmax_offset)
-    return (NF4_CODE.to(data.device)[codes] * d[:, None]).to(dtype).view(rows, half * 2)
+    return (_on_device(NF4_CODE, data.device)[codes] * d[:, None]).to(dtype).view(rows, half * 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +366,7 @@ def dequantize_nvfp4_reference(data, block_scale, tensor_scale, dtype=torch.bflo
     rows, half = data.shape
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).view(rows, -1, NVFP4_BLOCK).long()
     t = (tensor_scale * block_scale.float())[..., None]
-    return (E2M1_VALUES.to(data.device)[codes] * t).to(dtype).view(rows, half * 2)
+    return (_on_device(E2M1_VALUES, data.device)[codes] * t).to(dtype).view(rows, half * 2)
 
 
 # --------------------------------------------------------------------------------------------

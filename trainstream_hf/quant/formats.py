@@ -122,6 +122,9 @@ class QuantizedTensor:
     fmt: QuantFormat
     shape: tuple[int, int]
     tensors: dict[str, torch.Tensor]
+    dtype: torch.dtype = field(default=torch.bfloat16, metadata={
+        "help": "the weight's logical dtype: the dtype it was quantized from, reported as ``.dtype`` the way "
+                "``nn.Linear.weight.dtype`` is (PEFT sizes LoRA adapters by it); the stored dtypes are in tensors"})
 
     @property
     def data(self) -> torch.Tensor:
@@ -138,7 +141,7 @@ class QuantizedTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
         return QuantizedTensor(self.fmt, self.shape, {k: t.to(device, non_blocking=non_blocking)
-                                                      for k, t in self.tensors.items()})
+                                                      for k, t in self.tensors.items()}, self.dtype)
 
 
 def _has_native_kernel(op: str, device: torch.device) -> bool:
@@ -166,7 +169,7 @@ def quantize(weight: torch.Tensor, fmt: str | QuantFormat) -> QuantizedTensor:
         fmt: ``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"`` or a :class:`QuantFormat`.
 
     Returns:
-        The :class:`QuantizedTensor`.
+        The :class:`QuantizedTensor`, its ``dtype`` the weight's.
 
     Raises:
         ValueError: unknown format, weight not 2-D or empty, in_features not a multiple of the block, inf / NaN.
@@ -175,7 +178,8 @@ def quantize(weight: torch.Tensor, fmt: str | QuantFormat) -> QuantizedTensor:
     f = get_format(fmt)
     ops.check_weight(f"quantize_{f.name}", weight, f.in_features_multiple)
     outs = _impl(f, weight.device)[0](weight)
-    return QuantizedTensor(f, (int(weight.shape[0]), int(weight.shape[1])), dict(zip(f.tensor_names, outs)))
+    return QuantizedTensor(f, (int(weight.shape[0]), int(weight.shape[1])), dict(zip(f.tensor_names, outs)),
+                           weight.dtype)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""QuantLinear on CUDA: forward and dx against the CPU path for every format, activation dtype and outlier setting;
+the activation quantizers and column decoder bit for bit against the CPU; the forward (outlier selection included)
+without a host sync; quantize_model of a CPU-resident model on the GPU, one layer at a time.
+
+Written before any GPU fast path exists (the CUDA paths are today the pure-PyTorch ones of
+trainstream_hf/quant/matmul.py). When a fast path lands (torch._scaled_mm W8A8, FP4 tensor cores, fused dequantize),
+these tests hold it to the CPU numerics.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trainstream_hf.quant import QuantLinear, dequantize, quantize, quantize_model
+from trainstream_hf.quant import matmul
+from trainstream_hf.quant.outliers import dequantize_columns
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+FORMATS = ["int8", "nf4", "fp8", "nvfp4"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# max |y_cuda - y_cpu| / max |y_cpu|: two float32-accumulated results (different summation orders), each rounded to
+# the activation dtype: up to one ulp apart (2^-7 bf16, 2^-10 fp16), plus accumulation-order noise in float32.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7 + 1e-4, torch.float16: 2 ** -10 + 1e-4}
+
+
+def _layer(fmt, k, n, seed, outliers=0.0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.view(-1)[:: 97] *= 30.0
+        lin.bias.normal_()
+    return QuantLinear.from_linear(lin.to(dtype), fmt, outliers)
+
+
+def _act(shape, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[..., torch.randperm(shape[-1], generator=g)[: max(1, shape[-1] // 100)]] *= 50.0
+    return x.to(dtype)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _bits(t):
+    return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("outliers", [0.0, 0.01])
+def test_cuda_matches_cpu(fmt, dtype, outliers):
+    cpu = _layer(fmt, 1024, 384, FORMATS.index(fmt), outliers, dtype)
+    gpu = copy.deepcopy(cpu).cuda()
+    for n, p in gpu.named_parameters():  # .cuda() moved the packed tensors and kept their dtype and bits
+        ref = getattr(cpu, n)
+        assert p.is_cuda and p.dtype == ref.dtype
+        assert torch.equal(_bits(p.detach().cpu()), _bits(ref.detach()))
+    x = _act((4, 64, 1024), 1, dtype)
+    dy = _act((4, 64, 384), 2, dtype)
+    xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    yc, yg = cpu(xc), gpu(xg)
+    assert yg.dtype == dtype and yg.shape == yc.shape
+    assert _rel(yg.detach().cpu(), yc.detach()) <= TOL[dtype], gpu.matmul_path().name
+    yc.backward(dy)
+    yg.backward(dy.cuda())
+    assert _rel(xg.grad.cpu(), xc.grad) <= TOL[dtype]
+    assert all(p.grad is None for p in gpu.parameters())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_quantizers_match_cpu_bitwise(dtype):
+    x = _act((64, 512), 3, dtype)
+    q, s = matmul.quantize_rows_e4m3(x)
+    qg, sg = matmul.quantize_rows_e4m3(x.cuda())
+    assert torch.equal(_bits(qg.cpu()), _bits(q)) and torch.equal(_bits(sg.cpu()), _bits(s))
+    v, ts = matmul.quantize_nvfp4_activations(x)
+    vg, tsg = matmul.quantize_nvfp4_activations(x.cuda())
+    assert torch.equal(_bits(vg.cpu()), _bits(v)) and torch.equal(_bits(tsg.cpu()), _bits(ts))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_columns_cuda(fmt):
+    q = quantize(torch.randn(129, 320, generator=torch.Generator().manual_seed(4)), fmt).to("cuda")
+    idx = torch.tensor([0, 1, 63, 319, 17, 18, 2], device="cuda")
+    for dtype in DTYPES:
+        assert torch.equal(_bits(dequantize_columns(q, idx, dtype)), _bits(dequantize(q, dtype)[:, idx]))
+
+
+def _no_sync(fn):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("outliers", [0.0, 0.01])
+def test_forward_has_no_host_sync(fmt, outliers):
+    """The forward, outlier selection (topk, gathers) included, never waits for the GPU. One warm-up call first: the
+    first call on a device copies the NF4 code table there once (trainstream_hf.ops._on_device) and creates the
+    cuBLAS handle."""
+    layer = _layer(fmt, 1024, 256, 5, outliers).cuda()
+    x = _act((2, 128, 1024), 6, torch.bfloat16).cuda()
+    layer(x)
+    y = _no_sync(lambda: layer(x))
+    assert y.shape == (2, 128, 256)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backward_has_no_host_sync(fmt):
+    layer = _layer(fmt, 1024, 256, 7, 0.01).cuda()
+    x = _act((2, 128, 1024), 8, torch.bfloat16).cuda().requires_grad_()
+    dy = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    layer(x).backward(dy)
+    x.grad = None
+    _no_sync(lambda: layer(x).backward(dy))
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_model_on_gpu_one_layer_at_a_time(fmt):
+    """A CPU-resident model quantized with device="cuda": the packed weights come back to the CPU, equal to a CPU
+    quantization's bits, and the GPU never holds more than a few layers' worth at once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(9)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=16,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg)
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
+                       if type(m) is nn.Linear and n != "lm_head")
+    reference = quantize_model(copy.deepcopy(model), fmt)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    quantize_model(model, fmt, device="cuda")
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < linear_bytes / 4, (peak, linear_bytes)
+    for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert n == n_ref and p.device.type == "cpu"
+        assert torch.equal(_bits(p.detach()), _bits(p_ref.detach())), n

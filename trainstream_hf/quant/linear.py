@@ -1,0 +1,230 @@
+"""``QuantLinear``: a frozen linear layer whose weight is held packed in int8, NF4, FP8 or NVFP4."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainstream_hf import ops
+from trainstream_hf.quant import matmul, outliers as _outliers
+from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize, get_format, quantize
+
+__all__ = ["QuantLinear", "linear_weight"]
+
+_PREFIX = "weight_"  # packed tensors are registered as weight_data, weight_scale, ...
+
+
+def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` of an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2), weight in (out, in) layout.
+
+    Conv1D stores its weight transposed, (in, out); the returned weight is a transposed view (no copy).
+
+    Raises:
+        TypeError: any other module.
+    """
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if _is_conv1d(module):
+        return module.weight.t(), module.bias
+    raise TypeError(f"expected nn.Linear or transformers' Conv1D, got {type(module).__name__}")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is a dependency, but a bare-torch model needs none of it
+        return False
+    return isinstance(module, Conv1D)
+
+
+class _QuantLinearFunction(torch.autograd.Function):
+    """``y = x W_hat^T`` through a :class:`~trainstream_hf.quant.matmul.MatmulPath`; ``dx = path.backward(dy)``.
+
+    The packed tensors are inputs and are saved with ``save_for_backward`` (not on ``ctx``), so saved-tensor hooks
+    see them: the engine's pager turns saved views of a paged block's weights into references.
+    """
+
+    @staticmethod
+    def forward(ctx, x, path, fmt, shape, dtype, k, *packed):
+        q = QuantizedTensor(fmt, shape, dict(zip(fmt.tensor_names, packed)), dtype)
+        x2d = x.reshape(-1, shape[1])
+        if x2d.shape[0] == 0:
+            y = x2d.new_zeros((0, shape[0]))
+        elif k and path.quantizes_activations:
+            y = _outliers.outlier_matmul(x2d, q, k, path.forward).to(x.dtype)
+        else:
+            y = path.forward(x2d, q).to(x.dtype)
+        ctx.save_for_backward(*packed)
+        ctx.meta = (path, fmt, shape, dtype)
+        return y.view(*x.shape[:-1], shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = None
+        if ctx.needs_input_grad[0]:
+            path, fmt, shape, dtype = ctx.meta
+            q = QuantizedTensor(fmt, shape, dict(zip(fmt.tensor_names, ctx.saved_tensors)), dtype)
+            dy2d = dy.reshape(-1, shape[0])
+            dx = path.backward(dy2d, q).view(*dy.shape[:-1], shape[1])
+        return (dx, None, None, None, None, None) + (None,) * len(ctx.saved_tensors)
+
+
+class QuantLinear(nn.Module):
+    """A frozen linear layer, ``y = x W^T + b``, whose weight is held packed in a :class:`QuantFormat`.
+
+    Storage: the packed tensors of the :class:`QuantizedTensor` are frozen ``nn.Parameter`` s named ``weight_<name>``
+    (``weight_data``, ``weight_scale``, ...), so that ``state_dict``, ``.to(device)`` and the engine's weight pager
+    handle them as any frozen parameter, as packed bytes. ``weight`` is a property that rebuilds the
+    :class:`QuantizedTensor` around them (cheap, no copy); nothing is ever kept dequantized. Casting the module
+    (``.to(torch.bfloat16)``, ``.half()``, ``.float()``) casts the bias and changes ``weight.dtype`` but leaves the
+    packed tensors' bits alone (float8 codes and float32 scales are floating point, and a cast would destroy them).
+
+    Forward, for activations ``x`` (..., in_features) in float32, bfloat16 or float16: ``y`` has ``x``'s dtype and
+    is computed by the matmul path :func:`~trainstream_hf.quant.matmul.select_path` picks for (format, device,
+    ``act_quant``); its numerics are documented in :mod:`trainstream_hf.quant.matmul`:
+
+    * weight-only (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): exactly ``F.linear(x, dequantize(W, x.dtype))``;
+    * fp8 with ``act_quant=True`` (default): W8A8, activations quantized per token to E4M3, float32 accumulation;
+    * nvfp4 with ``act_quant=True`` (default): W4A4, activations quantized to NVFP4, float32 accumulation.
+
+    With ``outliers=p > 0`` and an activation-quantized path, the ``ceil(p * in_features)`` input channels of largest
+    ``max |x|`` bypass the activation quantization (:mod:`trainstream_hf.quant.outliers`); weight-only paths compute
+    ``x W_hat^T`` at the activation's precision already, and ignore it. The bias is added in ``y``'s dtype.
+
+    Backward: ``dx = dy @ dequantize(W, dy.dtype)`` (straight-through for the activation quantization; the weight is
+    decoded again, not saved in 16 bits); no gradient for the weight; the bias is frozen unless its
+    ``requires_grad`` is set, then it gets the usual ``sum(dy)``.
+
+    Under ``torch.autocast`` (CPU or CUDA) ``x`` is cast to the autocast dtype first and the layer runs with autocast
+    off inside, as ``torch.amp.custom_fwd(cast_inputs=...)`` does (which cannot be used here: it fixes one device
+    type at decoration time); ``y`` is in the autocast dtype, as ``nn.Linear``'s would be.
+
+    Introspection for PEFT and transformers: ``in_features``, ``out_features``, ``weight`` (``.shape`` (out, in),
+    ``.device``, ``.dtype`` the logical dtype), ``bias``. PEFT's LoRA does not wrap it out of the box (its default
+    dispatch wants an ``nn.Linear``); :func:`trainstream_hf.quant.lora.register_quant_lora` registers it.
+
+    Args:
+        weight: the quantized (out_features, in_features) weight.
+        bias: optional (out_features,) bias, kept in its dtype (the tensor is shared, not copied).
+        act_quant: quantize activations on the fly (fp8, nvfp4 only). Default: True for fp8 and nvfp4, which is
+            what their tensor-core paths do, False for int8 and nf4 (weight-only).
+        outliers: fraction of input channels kept out of the activation quantization, in [0, 0.5].
+    """
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None, *, act_quant: bool | None = None,
+                 outliers: float = 0.0) -> None:
+        super().__init__()
+        if not isinstance(weight, QuantizedTensor):
+            raise TypeError(f"QuantLinear: weight must be a QuantizedTensor (trainstream_hf.quant.quantize), got "
+                            f"{type(weight).__name__}; use QuantLinear.from_linear for an nn.Linear")
+        self.fmt: QuantFormat = weight.fmt
+        self.out_features, self.in_features = weight.shape
+        self.weight_dtype: torch.dtype = weight.dtype
+        self.outliers = _outliers.check_outliers(outliers)
+        self.act_quant = matmul.default_act_quant(self.fmt) if act_quant is None else bool(act_quant)
+        matmul.select_path(self.fmt, weight.device, self.act_quant)  # raises now for act_quant on int8 / nf4
+        for name in self.fmt.tensor_names:
+            self.register_parameter(_PREFIX + name, nn.Parameter(weight.tensors[name], requires_grad=False))
+        if bias is not None:
+            if bias.shape != (self.out_features,):
+                raise ValueError(f"QuantLinear: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+            bias = nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_parameter("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, fmt: str | QuantFormat, outliers: float = 0.0, *,
+                    act_quant: bool | None = None, device: torch.device | str | None = None) -> QuantLinear:
+        """Quantizes an ``nn.Linear`` (or a transformers ``Conv1D``, whose (in, out) weight is transposed).
+
+        Args:
+            linear: the layer; it is not modified, and its bias tensor is shared.
+            fmt: ``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"`` or a :class:`QuantFormat`.
+            outliers: see the class.
+            act_quant: see the class.
+            device: quantize there (e.g. ``"cuda"`` for a CPU-resident layer), then put the packed weight back
+                on the layer's device. Default: where the weight is.
+
+        Returns:
+            The :class:`QuantLinear`, on the layer's device, ``weight.dtype`` the layer's weight dtype.
+
+        Raises:
+            ValueError: unknown format, in_features not a multiple of the format's block, outliers out of range.
+        """
+        w, b = linear_weight(linear)
+        f = get_format(fmt)
+        _outliers.check_outliers(outliers)
+        with torch.no_grad():
+            src = w.detach() if device is None else w.detach().to(device)
+            q = quantize(src, f)
+            if q.device != w.device:
+                q = q.to(w.device)
+        return cls(q, b, act_quant=act_quant, outliers=outliers)
+
+    @property
+    def weight(self) -> QuantizedTensor:
+        """The packed weight (a view of this module's ``weight_*`` parameters; nothing is copied or decoded)."""
+        return QuantizedTensor(self.fmt, (self.out_features, self.in_features),
+                               {n: getattr(self, _PREFIX + n) for n in self.fmt.tensor_names}, self.weight_dtype)
+
+    @weight.setter
+    def weight(self, value) -> None:
+        raise AttributeError("QuantLinear.weight is a frozen quantized weight and cannot be assigned; build a new "
+                             "layer with QuantLinear(quantize(w, fmt), bias) or QuantLinear.from_linear")
+
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new (out_features, in_features) tensor of the decoded weight in ``dtype`` (default ``weight.dtype``)."""
+        return dequantize(self.weight, self.weight_dtype if dtype is None else dtype)
+
+    def matmul_path(self, device: torch.device | str | None = None) -> matmul.MatmulPath:
+        """The path the forward takes on ``device`` (default: where the weight is)."""
+        return matmul.select_path(self.fmt, torch.device(device) if device is not None else self.weight_data.device,
+                                  self.act_quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in ops.WEIGHT_DTYPES:
+            raise TypeError(f"QuantLinear: input must be float32, bfloat16 or float16, got {x.dtype}")
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(f"QuantLinear: input's last dimension must be in_features={self.in_features}, got "
+                             f"shape {tuple(x.shape)}")
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            x = x.to(torch.get_autocast_dtype(dev))
+            with torch.autocast(dev, enabled=False):
+                return self._forward(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = [getattr(self, _PREFIX + n) for n in self.fmt.tensor_names]
+        if packed[0].device != x.device:
+            raise ValueError(f"QuantLinear: input is on {x.device} but the weight is on {packed[0].device}")
+        path = matmul.select_path(self.fmt, x.device, self.act_quant)
+        k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
+        y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features), self.weight_dtype,
+                                       k, *packed)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to(dtype) / .half() / .float() reach every floating tensor through _apply (torch 2.13); the packed
+        # float8 codes and float32 scales must keep their dtype and bits. Probe what fn does to a float tensor
+        # without copying anything; if it casts, move the packed tensors only, and take the new dtype as the
+        # weight's logical dtype.
+        ref = self.weight_data
+        probes = [fn(torch.empty(0, dtype=dt, device=ref.device)) for dt in (torch.float32, torch.float16)]
+        cast = next((p.dtype for p, dt in zip(probes, (torch.float32, torch.float16)) if p.dtype != dt), None)
+        if cast is None:
+            return super()._apply(fn, recurse)
+        packed = {id(getattr(self, _PREFIX + n)) for n in self.fmt.tensor_names}
+        target = probes[0].device
+
+        def keep_dtype(t):
+            return t.to(target) if id(t) in packed else fn(t)
+
+        out = super()._apply(keep_dtype, recurse)
+        if cast in ops.WEIGHT_DTYPES:  # .double() casts the bias only: float64 is no dtype to decode the weight to
+            self.weight_dtype = cast
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fmt={self.fmt.name}, act_quant={self.act_quant}, outliers={self.outliers}")

@@ -1,0 +1,102 @@
+"""``quantize_model``: swap a model's linear layers for :class:`~trainstream_hf.quant.linear.QuantLinear`, in place."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from trainstream_hf.quant import outliers as _outliers
+from trainstream_hf.quant.formats import QuantFormat, get_format
+from trainstream_hf.quant.linear import QuantLinear, _is_conv1d, linear_weight
+
+__all__ = ["quantize_model"]
+
+
+def _is_target(module: nn.Module) -> bool:
+    # Exactly nn.Linear or Conv1D: subclasses (MultiheadAttention's out_proj, whose weight the attention reads
+    # directly; other libraries' quantized or adapter layers) have their own semantics and are left alone.
+    return type(module) is nn.Linear or (_is_conv1d(module) and not isinstance(module, nn.Linear))
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return any(name == s or name.endswith("." + s) for s in skip)
+
+
+def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outliers: float = 0.0,
+                   skip: str | tuple[str, ...] | list[str] = ("lm_head",), *, act_quant: bool | None = None,
+                   device: torch.device | str | None = None) -> nn.Module:
+    """Replaces every ``nn.Linear`` and transformers ``Conv1D`` of ``model`` by a frozen :class:`QuantLinear`.
+
+    Layers are converted one at a time and each original is released as soon as its replacement is in place, so
+    the conversion never holds a second copy of the model (peak: the model plus one layer's temporaries). The
+    packed weight stays on the device the layer's weight was on; ``device="cuda"`` quantizes a CPU-resident model
+    on the GPU one layer at a time (the whole bf16 model is never on the GPU).
+
+    Not converted: modules named in ``skip``, subclasses of ``nn.Linear`` (e.g. ``MultiheadAttention.out_proj``),
+    layers that are already :class:`QuantLinear`, and layers whose weight is shared with another module (tied
+    ``lm_head``/embeddings: quantizing would untie it and save nothing), which get a warning.
+
+    A layer whose in_features is not a multiple of the format's block (64 for nf4, 16 for nvfp4) is an error, not a
+    silent skip, so the model never ends up partly in bf16 unasked: every such layer is named in one ValueError
+    raised before anything is converted (add them to ``skip``, or choose int8 / fp8, which take any width).
+
+    Args:
+        model: the model, converted in place.
+        quantize: ``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"`` or a :class:`QuantFormat`.
+        outliers: fraction of input channels kept out of the activation quantization, in [0, 0.5]
+            (see :class:`QuantLinear`).
+        skip: module names to leave alone; an entry matches a module whose qualified name equals it or ends with
+            ``"." + entry`` (``"lm_head"``, ``"down_proj"``, ``"model.layers.0.mlp.up_proj"``).
+        act_quant: see :class:`QuantLinear` (default: True for fp8 / nvfp4, False for int8 / nf4).
+        device: where to run the quantization (default: where each weight is).
+
+    Returns:
+        ``model`` (or the :class:`QuantLinear` when ``model`` itself is an ``nn.Linear``).
+
+    Raises:
+        ValueError: unknown format, outliers outside [0, 0.5], in_features not a multiple of the block.
+    """
+    fmt = get_format(quantize)
+    _outliers.check_outliers(outliers)
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+
+    owners: dict[int, set[int]] = {}  # parameter -> modules holding it
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(m))
+
+    names, tied, bad = [], [], []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not _is_target(m) or _skipped(name, skip):
+            continue
+        if len(owners[id(m.weight)]) > 1:
+            tied.append(name)
+            continue
+        w, _ = linear_weight(m)
+        if w.shape[1] % fmt.in_features_multiple:
+            bad.append(f"{name or '<model>'} (in_features={w.shape[1]})")
+        names.append(name)
+    del m
+    if bad:
+        raise ValueError(f"quantize_model: {fmt.name} needs in_features to be a multiple of "
+                         f"{fmt.in_features_multiple}; these layers are not: {', '.join(bad)}. Add them to skip=, or "
+                         f"use int8 or fp8 (any width). Nothing was converted.")
+    if tied:
+        warnings.warn(f"quantize_model: {len(tied)} layers share their weight with another module and stay "
+                      f"unquantized: {', '.join(tied[:4])}{' ...' if len(tied) > 4 else ''}", stacklevel=2)
+
+    done: dict[int, QuantLinear] = {}  # a module reachable under several names is converted once
+    for name in names:
+        if not name:  # the model is itself a linear layer
+            return QuantLinear.from_linear(model, fmt, outliers, act_quant=act_quant, device=device)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        new = done.get(id(old))
+        if new is None:
+            new = done[id(old)] = QuantLinear.from_linear(old, fmt, outliers, act_quant=act_quant, device=device)
+        setattr(parent, child, new)
+        del old, new
+    return model
