@@ -345,3 +345,40 @@ def test_wrap_full_engine_on_each_family(family):
             o.zero_grad()
     ts.unwrap(model)
     assert _max_diff(ref, model) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_wrap_pages_a_quantized_lora_base_exactly(fmt):
+    """QLoRA shape: a quantize_model'd base with PEFT LoRA, base blocks paged as packed bytes and
+    activations offloaded: losses and LoRA gradients equal the unwrapped model's bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainstream_hf.quant import quantize_model
+    from trainstream_hf.quant.lora import register_quant_lora
+
+    torch.manual_seed(0)
+    base = quantize_model(_llama(), fmt)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ref = get_peft_model(base, register_quant_lora(LoraConfig(r=4, target_modules=targets)))
+    model = copy.deepcopy(ref)
+    # LoRA adapters stay on the device (the default size limit), the frozen packed base is paged
+    model, opt = ts.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
+                         **{**FORCE, "offload_optimizer": False, "min_offload_numel": 1 << 20})
+    eng = ts.engine_of(model)
+    packed = [p for p in eng.pager.paged_parameters()]
+    assert not any(p.requires_grad for p in packed)
+    assert packed and all(p.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float32) for p in packed)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    for s in range(3):
+        ids = _batch(s)
+        la = ref(input_ids=ids, labels=ids).loss
+        la.backward()
+        lb = model(input_ids=ids, labels=ids).loss
+        lb.backward()
+        assert torch.equal(la, lb)
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            if p.requires_grad:
+                assert torch.equal(p.grad, q.grad), n
+        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    assert model.trainstream_stats()["weights"]["h2d_bytes"] > 0
+    ts.unwrap(model)

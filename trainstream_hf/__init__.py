@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 from trainstream_hf.config import TrainStreamConfig  # noqa: E402
 from trainstream_hf.planner import BudgetError, Plan  # noqa: E402
 from trainstream_hf.wrap import engine_of, unwrap, wrap  # noqa: E402
+from trainstream_hf.quant import QuantLinear, quantize_model  # noqa: E402
 
 
 def plan(model, batch_shape, **options) -> Plan:
@@ -22,4 +23,5 @@ def plan(model, batch_shape, **options) -> Plan:
                         slots=cfg.slots, prefetch=cfg.prefetch, min_offload_numel=cfg.min_offload_numel)
 
 
-__all__ = ["wrap", "unwrap", "plan", "engine_of", "TrainStreamConfig", "Plan", "BudgetError", "__version__"]
+__all__ = ["wrap", "unwrap", "plan", "engine_of", "quantize_model", "QuantLinear", "TrainStreamConfig", "Plan",
+           "BudgetError", "__version__"]
