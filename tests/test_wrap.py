@@ -382,3 +382,10 @@ def test_wrap_pages_a_quantized_lora_base_exactly(fmt):
         ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
     assert model.trainstream_stats()["weights"]["h2d_bytes"] > 0
     ts.unwrap(model)
+
+
+def test_wrap_quantize_option_is_refused_not_ignored():
+    model = _llama()
+    with pytest.raises(ValueError, match="quantize_model"):
+        ts.wrap(model, None, quantize="nf4", host_arena=None)
+    assert ts.engine_of(model) is None

@@ -246,6 +246,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
+    if config.quantize is not None or config.outliers:
+        # Quantizing inside wrap would have to tell a PEFT model's frozen base layers from its adapters;
+        # until the HF integration does that at load time (issue 5), it is an explicit step.
+        raise ValueError("wrap(quantize=...) is not supported yet: quantize the frozen base first with "
+                         "trainstream_hf.quantize_model(model, quantize, outliers=...), then add LoRA "
+                         "(register_quant_lora) and wrap")
     device = _compute_device(model)
     if config.device is not None:
         device = torch.device(config.device)
