@@ -1,0 +1,234 @@
+"""Every config under configs/ loads and validates; the YAML + override loader refuses what it should."""
+import dataclasses
+import json
+import shlex
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.train.config import ConfigError, build, help_text, load, parse_overrides, read_command_comment
+from trainstream_hf.train.schema import RECIPES, SFTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+YAMLS = sorted(p for ext in ("*.yaml", "*.yml") for p in (ROOT / "configs").rglob(ext))
+MODEL_JSONS = sorted((ROOT / "configs" / "models").glob("*.json"))
+
+
+def test_there_are_configs():
+    assert (ROOT / "configs" / "sft-tiny-cpu.yaml") in YAMLS
+    assert MODEL_JSONS
+
+
+def validate_config_file(path: Path, root: Path = ROOT) -> None:
+    """Raises (AssertionError, ConfigError, ...) unless ``path`` starts with a comment giving the command that
+    runs it and its contents validate against what that command reads it as: a recipe config (``--config
+    path``, schema from ``RECIPES``), or an Accelerate config (``--config_file path``, accelerate's own
+    loader, which refuses unknown keys). Every file a recipe config names must exist."""
+    command = read_command_comment(path)
+    assert command, f"{path}: the first line must be a comment with the command that runs it"
+    words = shlex.split(command)
+    scripts = [i for i, w in enumerate(words) if w.startswith("recipes/") and w.endswith(".py")]
+    assert scripts, f"{path}: the first-line command {command!r} runs no recipes/<name>.py"
+    script = words[scripts[0]]
+    assert (root / script).is_file(), f"{path}: the command runs {script}, which does not exist"
+    rel = str(path.relative_to(root))
+    if "--config_file" in words and words[words.index("--config_file") + 1] == rel:
+        from accelerate.commands.config.config_args import ClusterConfig
+
+        ClusterConfig.from_yaml_file(str(path))
+        return
+    args = words[scripts[0] + 1:]
+    assert "--config" in args and args[args.index("--config") + 1] == rel, \
+        f"{path}: the command must pass --config {rel} (or --config_file {rel} to accelerate), got {command!r}"
+    name = Path(script).stem
+    assert name in RECIPES, f"{path}: no config schema for recipe {name!r} in trainstream_hf.train.schema.RECIPES"
+    raw = yaml.safe_load(path.read_text())
+    assert isinstance(raw, dict) and raw, f"{path}: empty config"
+    i = args.index("--config")
+    cfg = load(RECIPES[name], path, parse_overrides(args[:i] + args[i + 2:]))  # unknown keys, bad types raise
+    for value in (cfg.model, cfg.data.train_file, cfg.data.test_file, cfg.data.tokenizer):
+        assert (root / value).exists(), f"{path}: {value} does not exist"
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[str(p.relative_to(ROOT)) for p in YAMLS])
+def test_config_validates(path):
+    validate_config_file(path)
+
+
+@pytest.mark.parametrize("name, text, error, match", [
+    ("no_comment.yaml", "train:\n  steps: 3\n", AssertionError, "first line must be a comment"),
+    ("no_recipe.yaml", "# python train.py --config c/no_recipe.yaml\n", AssertionError, "runs no recipes/"),
+    ("other.yaml", "# python recipes/sft.py --config c/else.yaml\ninit: random\n", AssertionError,
+     "must pass --config c/other.yaml"),
+    ("typo.yaml", "# python recipes/sft.py --config c/typo.yaml\ntrain:\n  stepz: 3\n", ConfigError,
+     r"unknown option train\.stepz"),
+    ("override.yaml", "# python recipes/sft.py --config c/override.yaml --train.steps x\ninit: random\n",
+     ConfigError, r"train\.steps: expected int, got 'x'"),
+    ("missing.yaml", "# python recipes/sft.py --config c/missing.yaml\ndata:\n  test_file: nope.jsonl\n",
+     AssertionError, "nope.jsonl does not exist"),
+    ("acc.yaml", "# accelerate launch --config_file c/acc.yaml recipes/sft.py --config c/x.yaml\n"
+     "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_procs: 1\n",
+     ValueError, r"unknown keys \(\['num_procs'\]\)"),
+])
+def test_config_validation_catches(tmp_path, name, text, error, match):
+    """The walk above fails for each kind of broken config (checked on copies in a scratch tree)."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "sft.py").write_text("")
+    for rel in ("configs/models/tiny-llama.json", "data/train.jsonl", "data/test.jsonl", "data/tokenizer"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).symlink_to(ROOT / rel)
+    (tmp_path / "c").mkdir()
+    path = tmp_path / "c" / name
+    path.write_text(text)
+    with pytest.raises(error, match=match):
+        validate_config_file(path, tmp_path)
+    if name == "acc.yaml":  # and a valid accelerate config passes
+        path.write_text(text.replace("num_procs", "num_processes"))
+        validate_config_file(path, tmp_path)
+
+
+@pytest.mark.parametrize("path", MODEL_JSONS, ids=[p.name for p in MODEL_JSONS])
+def test_model_config_builds(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = json.loads(path.read_text())
+    config = AutoConfig.for_model(**kwargs)
+    for k, v in kwargs.items():
+        if k != "model_type":
+            assert getattr(config, k) == v, f"{path}: {k} not taken by {type(config).__name__}"
+    if getattr(config, "hidden_size", 0) <= 1024:  # small ones: build it
+        AutoModelForCausalLM.from_config(config)
+
+
+def test_tiny_config_matches_the_tokenizer():
+    from trainstream_hf.train.data import load_tokenizer
+
+    cfg = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml")
+    tok = load_tokenizer(str(ROOT / cfg.data.tokenizer))
+    model = json.loads((ROOT / cfg.model).read_text())
+    assert len(tok) <= model["vocab_size"]
+    assert (model["pad_token_id"], model["bos_token_id"], model["eos_token_id"]) == \
+        (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+
+
+# -- the loader ------------------------------------------------------------------------------------------
+def _leaves(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaves(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def _get(obj, dotted):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_field_is_overridable_from_the_command_line():
+    """Each leaf option, given on the command line as YAML text of a valid value, lands in the config."""
+    base = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml")
+    changed = {"model": "elsewhere.json", "init": "pretrained", "dtype": "bfloat16", "device": "cpu", "seed": 7,
+               "output_dir": "out", "save_model": True, "wrap": False, "train.betas": [0.8, 0.9],
+               "train.scheduler": "cosine", "train.max_grad_norm": None, "trainstream.quantize": "nf4",
+               "trainstream.vram_budget": "24GiB", "trainstream.host_arena": "1GiB", "trainstream.peer": False,
+               "trainstream.device": "cpu", "trainstream.grads": "host", "trainstream.batch_shape": [2, 8],
+               "trainstream.min_activation_bytes": "1MiB", "trainstream.outliers": 0.01,
+               "trainstream.prefetch": 0, "trainstream.overlap_step": True, "trainstream.host_arena_slab": "128MiB"}
+    leaves = list(_leaves(SFTConfig))
+    assert len(leaves) > 30
+    for key in leaves:
+        old = _get(base, key)
+        if key in changed:
+            new = changed[key]
+        elif isinstance(old, bool):
+            new = not old
+        elif isinstance(old, int):
+            new = old + 1
+        elif isinstance(old, float):
+            new = old / 2
+        elif isinstance(old, str) and key.startswith("data."):
+            new = old + ".other"
+        else:
+            raise AssertionError(f"no test value for {key}={old!r}; add one to `changed`")
+        text = yaml.safe_dump(new, default_flow_style=True).strip().removesuffix("...").strip()
+        cfg = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml", parse_overrides([f"--{key}", text]))
+        got = _get(cfg, key)
+        assert (list(got) if isinstance(got, tuple) else got) == new, key
+        assert got != old, key
+
+
+def test_override_forms_and_yaml_typing():
+    o = parse_overrides(["--train.steps", "5", "--train.lr=3e-4", "--wrap", "false", "--train.betas", "[0.9, 0.95]",
+                         "--train.max_grad_norm", "null", "--output_dir=a b"])
+    assert o == {"train.steps": 5, "train.lr": "3e-4", "wrap": False, "train.betas": [0.9, 0.95],
+                 "train.max_grad_norm": None, "output_dir": "a b"}
+    cfg = load(SFTConfig, None, o)
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.train.betas == (0.9, 0.95) and cfg.train.max_grad_norm is None and cfg.wrap is False
+    assert load(SFTConfig, None, {"train.lr": 1}).train.lr == 1.0  # an int where a float is expected
+    assert load(SFTConfig, None, {"output_dir": 2024}).output_dir == "2024"  # a number where text is expected
+    with pytest.raises(ConfigError, match=r"output_dir: expected str, got 1\.5"):
+        load(SFTConfig, None, {"output_dir": 1.5})
+    assert isinstance(load(SFTConfig, None, {"trainstream.vram_budget": 0.5}).trainstream, TrainStreamConfig)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"train.stpes": 5}, r"unknown option train\.stpes \(did you mean train\.steps\?\)"),
+    ({"bogus": 1}, r"unknown option bogus; the options are: model, init"),
+    ({"train.steps": "many"}, r"train\.steps: expected int, got 'many'"),
+    ({"train.steps": 2.5}, r"train\.steps: expected int"),
+    ({"wrap": "yes please"}, r"wrap: expected bool"),
+    ({"init": "zeros"}, r"init: expected 'random' \| 'pretrained', got 'zeros'"),
+    ({"train.betas": [0.9]}, r"train\.betas: expected a list \[float, float\]"),
+    ({"train": 5}, r"train: a section; give its options as train\.<option> \(steps, batch_size"),
+    ({"train.steps.x": 5}, r"train\.steps is a value, not a section"),
+    ({"train.steps": 0}, r"train: steps: at least 1"),
+    ({"trainstream.grads": "sideways"}, r"trainstream: grads: 'auto', 'device' or 'host', got 'sideways'"),
+    ({"trainstream.quantize": "int3"}, r"quantize: unknown format 'int3'; choose one of None, 'int8'"),
+    ({"trainstream.overlap": True},
+     r"unknown option trainstream\.overlap \(did you mean trainstream\.overlap_step\?\); the options of trainstream"),
+])
+def test_bad_options_are_named(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load(SFTConfig, None, overrides)
+
+
+def test_bad_command_lines():
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--train.steps"])
+    with pytest.raises(ConfigError, match="expected an option like"):
+        parse_overrides(["steps", "5"])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load(SFTConfig, ROOT / "configs" / "missing.yaml")
+
+
+def test_yaml_with_unknown_key_is_refused(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("# python recipes/sft.py --config c.yaml\ntrain:\n  steps: 3\n  lr_schedule: cosine\n")
+    assert read_command_comment(p) == "python recipes/sft.py --config c.yaml"
+    with pytest.raises(ConfigError, match=r"unknown option train\.lr_schedule"):
+        load(SFTConfig, p)
+    p.write_text("- 1\n- 2\n")
+    assert read_command_comment(p) is None
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load(SFTConfig, p)
+
+
+def test_help_lists_every_option():
+    text = help_text(SFTConfig)
+    for key in _leaves(SFTConfig):
+        assert f"--{key}  (" in text, key
+    assert "(int; default 250)" in text and "Optimizer steps." in text
+
+
+def test_build_keeps_defaults_for_missing_sections():
+    cfg = build(SFTConfig, {"train": {"steps": 3}})
+    assert cfg.train.steps == 3 and cfg.train.batch_size == SFTConfig().train.batch_size
+    assert cfg.trainstream == TrainStreamConfig()
+    assert SFTConfig().train is not SFTConfig().train  # sections are not shared between instances
