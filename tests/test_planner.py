@@ -21,13 +21,6 @@ SHAPE = (1, 128)
 HUGE = 1 << 50  # a budget nothing needs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The test machine is small and shared; tiny models gain nothing from intra-op threads.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _llama(dtype=torch.float32, layers=4, seed=0):

@@ -15,13 +15,6 @@ STEPS = 20
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: extra intra-op threads only spin against each other on shared CI cores."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def make_model(seed=0, dtype=torch.float32):

@@ -33,13 +33,6 @@ MIN_BYTES = 2048  # small enough that most activations move, large enough that s
 DEVICE = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls gain nothing from threads, and on a loaded CI machine OpenMP barriers make them 100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _decoder_kwargs(layers):

@@ -10,12 +10,6 @@ from trainstream_hf.integrations.transformers import (TrainStreamCallback, Train
                                                       TrainStreamTrainingArguments)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _model():

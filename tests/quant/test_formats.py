@@ -17,12 +17,6 @@ NATIVE = {
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _weight(shape, seed, dtype=torch.float32, outliers=True):

@@ -16,12 +16,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8 + 1e-5, torch.float16: 2 ** -11 + 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _linear(in_features, out_features, seed, bias=True, dtype=torch.float32):

@@ -13,12 +13,6 @@ from trainstream_hf.quant.lora import QuantLoraLinear, register_quant_lora  # no
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def test_peft_does_not_wrap_quant_linear_out_of_the_box(tiny_llama):

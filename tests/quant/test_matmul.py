@@ -8,12 +8,6 @@ from trainstream_hf.quant import get_format, quantize
 from trainstream_hf.quant import matmul
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _act(shape, seed, dtype=torch.float32):

@@ -13,12 +13,6 @@ from trainstream_hf.quant.outliers import check_outliers, dequantize_columns, nu
 FORMATS = ["int8", "nf4", "fp8", "nvfp4"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _bits(t):
