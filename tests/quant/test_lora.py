@@ -94,7 +94,7 @@ def test_bf16_base_adapter_dtype_as_for_nn_linear_and_merge_is_refused(autocast_
     assert layer.lora_A["default"].weight.dtype == expected
     assert model(token_ids()).logits.dtype == torch.bfloat16
     with pytest.raises(NotImplementedError, match="re-quantize"):
-        model.merge_and_unload()
+        model.merge_adapter()
 
 
 def test_dense_weight_features_are_refused_and_orthogonal_init_works(tiny_llama):

@@ -13,9 +13,15 @@ models" guide); :func:`register_quant_lora` registers :class:`QuantLoraLinear` f
 
 :class:`QuantLoraLinear` is PEFT's own ``lora.Linear`` (``y = base(x) + B(A(dropout(x))) * scaling``) with what a
 packed base needs: in/out features read from the layer (PEFT's generic lookup would warn "Unsupported layer type"),
-``fan_in_fan_out`` forced off (a Conv1D quantized by ``quantize_model`` is in nn.Linear layout); merging into the base,
-LoRA variants (DoRA & co.) and initialisations that decompose the base weight (PiSSA, OLoRA, LoftQ, ...) need the dense
-weight and raise.
+``fan_in_fan_out`` forced off (a Conv1D quantized by ``quantize_model`` is in nn.Linear layout); LoRA variants (DoRA &
+co.) and initialisations that decompose the base weight (PiSSA, OLoRA, LoftQ, ...) need the dense weight and raise.
+
+Merging: ``merge_and_unload()`` replaces each ``QuantLoraLinear`` by a plain ``nn.Linear`` holding the dequantized
+base weight plus the LoRA delta (``unload_and_optionally_merge_module``, the per-layer hook PEFT's unload loop calls),
+so the merged model is dense, in the base's logical dtype; the merge arithmetic is PEFT's own ``lora.Linear.merge``
+run on that dense layer, so the result is what PEFT gives for an ``nn.Linear`` holding the dequantized weight.
+``unload()`` gives the ``QuantLinear`` back. ``merge()`` in place (``merge_adapter()``, which keeps the adapters
+around for ``unmerge``) stays refused: it would have to re-quantize the base (lossy, not reversible).
 
 What PEFT 0.21's LoRA reads from the base layer (peft/tuners/lora/layer.py, tuners_utils.py, lora/model.py):
 ``in_features`` / ``out_features`` (through ``_get_in_out_features``, overridden here); ``weight.device`` (where the
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import warnings
 
+from torch import nn
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as _LoraLinear
 
@@ -63,12 +70,50 @@ class QuantLoraLinear(_LoraLinear):
         return module.in_features, module.out_features
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        raise NotImplementedError("QuantLoraLinear: merging a LoRA adapter into a quantized base would re-quantize "
-                                  "it (lossy, not reversible); keep the adapter separate, or merge into the original "
-                                  "bf16 model")
+        if isinstance(self.base_layer, QuantLinear):
+            raise NotImplementedError("QuantLoraLinear: merging a LoRA adapter into a quantized base in place would "
+                                      "re-quantize it (lossy, not reversible); use merge_and_unload(), which replaces "
+                                      "the layer by an nn.Linear holding the dequantized weight plus the LoRA delta")
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+
+    def dequantized_base(self) -> nn.Linear:
+        """A new ``nn.Linear`` holding the decoded base weight (in its logical dtype) and a copy of the bias."""
+        base = self.get_base_layer()
+        w = base.dequantize_weight()
+        dense = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=w.device,
+                          dtype=w.dtype)
+        dense.weight = nn.Parameter(w, requires_grad=False)
+        if base.bias is not None:  # copied: the QuantLinear's bias may share storage with the original model's
+            dense.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+        return dense
+
+    def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> nn.Module:
+        """What ``merge_and_unload()`` / ``unload()`` put in this layer's place (peft 0.21's per-layer unload hook).
+
+        Args:
+            merge: fold the adapters in: returns an ``nn.Linear`` with ``dequantize(W) + delta`` (the packed base
+                is left untouched). False: returns the ``QuantLinear`` base.
+            safe_merge: check the merged weight for NaNs / infs first (PEFT's ``safe_merge``).
+            adapter_names: adapters to fold in (default: the active ones).
+
+        Returns:
+            The module to put in this layer's place.
+        """
+        if not merge:
+            return self.get_base_layer()
+        quant, dense = self.base_layer, self.dequantized_base()
+        self.base_layer = dense  # PEFT's own merge arithmetic, on the dense copy
+        try:
+            super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        finally:
+            self.base_layer = quant
+            self.merged_adapters = []
+        return dense
 
     def unmerge(self) -> None:
-        raise NotImplementedError("QuantLoraLinear: nothing can be merged into a quantized base, so nothing unmerges")
+        if isinstance(self.base_layer, QuantLinear):
+            raise NotImplementedError("QuantLoraLinear: nothing is merged into a quantized base, so nothing unmerges")
+        super().unmerge()
 
 
 def register_quant_lora(config: LoraConfig) -> LoraConfig:

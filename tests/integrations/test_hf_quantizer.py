@@ -1,0 +1,139 @@
+"""The "trainstream" HfQuantizer (CPU, transformers 5.24): from_pretrained on a tiny checkpoint saved as safetensors
+loads straight into QuantLinear, bit-identical to quantize_model on the same model loaded dense."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from trainstream_hf.integrations.huggingface import TrainStreamHfQuantizer, TrainStreamQuantizationConfig
+from trainstream_hf.quant import QuantLinear, quantize_model
+
+peft = pytest.importorskip("peft")
+from peft import get_peft_model  # noqa: E402
+
+from trainstream_hf.integrations.peft import quant_lora_config  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         tie_word_embeddings=False))
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m) is nn.Linear:
+                m.weight[:, ::29] *= 6.0  # outlier input channels
+    path = tmp_path_factory.mktemp("llama")
+    model.to(torch.bfloat16).save_pretrained(path)
+    assert (path / "model.safetensors").exists()
+    return path
+
+
+def _ids():
+    return torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(5))
+
+
+def _bytes(t):
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_from_pretrained_quantizes_on_load_bit_identical_to_quantize_model(llama_dir, fmt):
+    model, info = AutoModelForCausalLM.from_pretrained(
+        llama_dir, dtype=torch.bfloat16, quantization_config=TrainStreamQuantizationConfig(quantize=fmt),
+        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert isinstance(model.hf_quantizer, TrainStreamHfQuantizer) and model.is_quantized
+    quant = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 14 and all(model.get_submodule(n).fmt.name == fmt for n in quant)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    assert not any(type(m) is nn.Linear for n, m in model.named_modules() if n != "lm_head")
+
+    ref = quantize_model(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16), fmt)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k in got:
+        assert got[k].dtype == want[k].dtype and torch.equal(_bytes(got[k]), _bytes(want[k])), k
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_lora_trains_on_the_loaded_model_and_saving_it_is_refused(llama_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32,
+                                                 quantization_config=TrainStreamQuantizationConfig(quantize="nf4"))
+    model = get_peft_model(model, quant_lora_config(model, r=4, target_modules="all-linear"))
+    model.train()
+    ids = _ids()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = [p.grad for n, p in model.named_parameters() if ".lora_B." in n]
+        assert len(grads) == 14 and all(float(g.abs().sum()) > 0 for g in grads)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError):
+        model.base_model.model.save_pretrained(tmp_path / "packed")
+
+
+def test_gpt2_conv1d_biases_and_tied_head(tmp_path):
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))
+    with torch.no_grad():
+        for m in gpt2.modules():
+            if isinstance(getattr(m, "bias", None), torch.Tensor) and m.bias.ndim == 1:
+                m.bias.normal_(0, 0.1)
+    gpt2.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TrainStreamQuantizationConfig(
+        quantize="int8", skip=[]))
+    ref = quantize_model(AutoModelForCausalLM.from_pretrained(tmp_path), "int8", skip=[])
+    c_attn = model.transformer.h[0].attn.c_attn
+    with pytest.raises(AttributeError, match="cannot be assigned"):
+        c_attn.weight = torch.zeros(384, 128)
+    assert isinstance(c_attn, QuantLinear) and (c_attn.in_features, c_attn.out_features) == (128, 384)
+    assert torch.equal(c_attn.bias, ref.transformer.h[0].attn.c_attn.bias) and c_attn.bias.abs().sum() > 0
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied head: never quantized
+    with torch.no_grad():
+        assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+
+
+def test_a_weight_missing_from_the_checkpoint_is_quantized_after_loading(llama_dir, tmp_path):
+    state = load_file(llama_dir / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.warns(UserWarning, match="quantized as initialised: model.layers.1.mlp.up_proj"):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.bfloat16, quantization_config=TrainStreamQuantizationConfig(quantize="nf4"),
+            output_loading_info=True)
+    assert set(info["missing_keys"]) == {"model.layers.1.mlp.up_proj.weight"}
+    assert isinstance(model.model.layers[1].mlp.up_proj, QuantLinear)
+
+
+def test_bad_options_and_widths_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="choose one of"):
+        TrainStreamQuantizationConfig(quantize="int4")
+    with pytest.raises(ValueError, match="unknown options"):
+        TrainStreamQuantizationConfig(quantize="nf4", group_size=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TrainStreamQuantizationConfig("nf4"))
+    cfg = TrainStreamQuantizationConfig.from_dict(TrainStreamQuantizationConfig("fp8", outliers=0.01).to_dict())
+    assert (cfg.quantize, cfg.outliers, cfg.skip) == ("fp8", 0.01, ["lm_head"])
