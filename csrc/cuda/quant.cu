@@ -1,0 +1,583 @@
+// CUDA kernels for the bit-packing weight formats: NF4 and NVFP4 quantize / dequantize.
+//
+// They equal the CPU kernels (csrc/cpu/quant.cpp) and the pure-PyTorch references (trainstream_hf/ops.py) bit for
+// bit (tests/gpu/test_quant_kernels_cuda.py checks with torch.equal). How:
+//   - Every float operation that rounds is written as an IEEE intrinsic (__fmul_rn, __fadd_rn, __fsub_rn,
+//     __fdiv_rn, __ddiv_rn, __double2float_rn). nvcc never contracts these into an FMA, and --use_fast_math
+//     does not touch them, so the file gives the same bits whatever the build flags.
+//   - float8 / bfloat16 / half conversions go through c10's own types (the ones torch's .to() and the CPU kernel
+//     use); their device paths round to nearest even, like the host ones, for every finite value.
+//   - Reductions are a max (order-free) or an integer sum (exact): the NF4 absmax mean is summed in int64
+//     fixed point exactly as nf4_offset() in csrc/cpu/quant.cpp, so the atomics' order cannot change a bit.
+//
+// No host synchronisation: scalars that the CPU kernel reads with .item() (the NF4 absmax offset, the NVFP4
+// tensor scale) stay on the device and are read by the kernels. For the same reason the CUDA quantizers do not
+// check that the weight is finite (raising would need the flag on the host); a weight with inf / NaN gives
+// unspecified codes here, where the CPU kernel raises ValueError.
+//
+// NF4: QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023, arXiv:2305.14314).
+// NVFP4: NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference" (2025).
+// Layouts are documented in trainstream_hf/quant/formats.py.
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>  // at::cuda::getCurrentCUDAStream, without ATen/cuda/CUDAContext.h's cuBLAS /
+                                    // cuSPARSE headers (a toolkit with nvcc alone can build this file)
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+namespace trainstream {
+namespace {
+
+constexpr int64_t kNf4Block = 64;    // weights per absmax
+constexpr int64_t kNf4Group = 256;   // absmax values per double-quantisation scale
+constexpr int64_t kNvfp4Block = 16;  // weights per E4M3 block scale
+constexpr float kE4m3Max = 448.0f;
+constexpr float kE2m1Max = 6.0f;
+constexpr int kThreads = 256;
+
+// Same tables as csrc/cpu/quant.cpp (bitsandbytes' NF4 code; E2M1 code -> value, bit 3 the sign).
+__constant__ float kNf4Code[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
+    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
+    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+    0.7229568362236023f, 1.0f};
+__constant__ float kE2m1Value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Element conversions and 16-element loads.
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(c10::Half v) { return static_cast<float>(v); }
+
+// Bits of float(v) rounded to T (nearest even, as the CPU's static_cast<T>), right-aligned in a uint32.
+template <typename T>
+__device__ __forceinline__ uint32_t out_bits(float v);
+template <>
+__device__ __forceinline__ uint32_t out_bits<float>(float v) { return __float_as_uint(v); }
+template <>
+__device__ __forceinline__ uint32_t out_bits<c10::BFloat16>(float v) { return c10::BFloat16(v).x; }
+template <>
+__device__ __forceinline__ uint32_t out_bits<c10::Half>(float v) { return c10::Half(v).x; }
+
+// x[0..16) as float. kVec: x is 16-byte aligned, so it is read as 16-byte vectors.
+template <typename T, bool kVec>
+__device__ __forceinline__ void load16(const T* __restrict__ x, float (&v)[16]) {
+  if constexpr (kVec) {
+    constexpr int kPerVec = 16 / sizeof(T);
+    const uint4* p = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+    for (int j = 0; j < 16 / kPerVec; ++j) {
+      const uint4 u = __ldg(p + j);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < kPerVec; ++i) v[j * kPerVec + i] = to_float(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = to_float(x[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Block-wide reductions (every thread of the block must call them; the result is valid in every thread).
+
+__device__ __forceinline__ float block_max(float v, float* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();  // smem may be reused by the caller
+  return v;
+}
+
+__device__ __forceinline__ long long block_sum(long long v, long long* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  return v;
+}
+
+// Non-negative floats order like their bit patterns, so a max of |x| is an unsigned atomicMax.
+__device__ __forceinline__ void atomic_max_nonneg(unsigned int* dst, float v) {
+  atomicMax(dst, __float_as_uint(v));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Encoders (same comparisons as csrc/cpu/quant.cpp).
+
+// Index of the nearest NF4 code: the number of midpoints strictly below v (ties to the lower code).
+__device__ __forceinline__ uint32_t nf4_encode(float v, const float (&mid)[15]) {
+  int idx = 0;
+  idx += (mid[idx + 7] < v) ? 8 : 0;
+  idx += (mid[idx + 3] < v) ? 4 : 0;
+  idx += (mid[idx + 1] < v) ? 2 : 0;
+  idx += (mid[idx] < v) ? 1 : 0;
+  return static_cast<uint32_t>(idx);
+}
+
+// Nearest E2M1 value, ties to the even code, saturating at +-6; sign from the sign bit.
+__device__ __forceinline__ uint32_t e2m1_encode(float v) {
+  const float a = fabsf(v);
+  const uint32_t c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return c | (signbit(v) ? 8u : 0u);
+}
+
+// The NF4 absmax offset from the device-side max and exact fixed-point sum (nf4_offset() in csrc/cpu/quant.cpp).
+__device__ __forceinline__ int nf4_offset_shift(float amax) {
+  int e = 0;
+  frexpf(amax, &e);
+  return 32 - e;
+}
+__device__ __forceinline__ float nf4_offset_value(float amax, long long total, int64_t nb) {
+  if (amax == 0.0f) return 0.0f;
+  const double mean = __ddiv_rn(static_cast<double>(total), static_cast<double>(nb));
+  return __double2float_rn(ldexp(mean, -nf4_offset_shift(amax)));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// NF4 quantize: four kernels (absmax + its max; fixed-point sum; per-group double quantisation; codes).
+// Thread layout of the first and last: one thread per 16 consecutive weights, four threads per block of 64.
+
+template <typename T, bool kVec>
+__global__ void nf4_absmax_kernel(const T* __restrict__ x, int64_t nchunks, float* __restrict__ absmax,
+                                  unsigned int* __restrict__ amax_bits) {
+  __shared__ float smem[32];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  float m = 0.0f;
+  if (c < nchunks) {
+    float v[16];
+    load16<T, kVec>(x + c * 16, v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(v[i]));
+  }
+  // nchunks is a multiple of 4 and blocks a multiple of 32 threads: a lane quad is all in range or all out.
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  if (c < nchunks && (c & 3) == 0) absmax[c / 4] = m;
+  m = block_max(m, smem);
+  if (threadIdx.x == 0) atomic_max_nonneg(amax_bits, m);
+}
+
+__global__ void nf4_fixed_sum_kernel(const float* __restrict__ absmax, int64_t nb,
+                                     const unsigned int* __restrict__ amax_bits,
+                                     unsigned long long* __restrict__ total) {
+  __shared__ long long smem[32];
+  const float amax = __uint_as_float(*amax_bits);
+  const int k = nf4_offset_shift(amax);
+  long long s = 0;
+  if (amax != 0.0f) {
+    for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < nb;
+         b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      s += static_cast<long long>(floor(ldexp(static_cast<double>(absmax[b]), k)));
+    }
+  }
+  s = block_sum(s, smem);
+  // Integer addition is associative: the atomics' order cannot change the total.
+  if (threadIdx.x == 0) atomicAdd(total, static_cast<unsigned long long>(s));
+}
+
+// One block of kNf4Group threads per group; thread i owns absmax block g * 256 + i.
+__global__ void nf4_double_quant_kernel(const float* __restrict__ absmax, int64_t nb,
+                                        const unsigned int* __restrict__ amax_bits,
+                                        const unsigned long long* __restrict__ total,
+                                        c10::Float8_e4m3fn* __restrict__ q, float* __restrict__ scale,
+                                        float* __restrict__ offset_out, float* __restrict__ dq) {
+  __shared__ float smem[32];
+  const float offset =
+      nf4_offset_value(__uint_as_float(*amax_bits), static_cast<long long>(*total), nb);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *offset_out = offset;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * kNf4Group + threadIdx.x;
+  const bool in = b < nb;
+  const float centred = in ? __fsub_rn(absmax[b], offset) : 0.0f;
+  const float m = block_max(fabsf(centred), smem);
+  const float s = __fdiv_rn(m, kE4m3Max);
+  if (threadIdx.x == 0) scale[blockIdx.x] = s;
+  if (in) {
+    const c10::Float8_e4m3fn qb(s > 0.0f ? __fdiv_rn(centred, s) : 0.0f);
+    q[b] = qb;
+    dq[b] = __fadd_rn(__fmul_rn(static_cast<float>(qb), s), offset);
+  }
+}
+
+// Codes against the dequantised absmax; the even element in the high nibble. 8 output bytes per thread.
+template <typename T, bool kVec>
+__global__ void nf4_encode_kernel(const T* __restrict__ x, int64_t nchunks, const float* __restrict__ dq,
+                                  uint8_t* __restrict__ out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= nchunks) return;
+  float mid[15];
+#pragma unroll
+  for (int i = 0; i < 15; ++i) mid[i] = __fmul_rn(__fadd_rn(kNf4Code[i], kNf4Code[i + 1]), 0.5f);
+  const float d = dq[c / 4];
+  float v[16];
+  load16<T, kVec>(x + c * 16, v);
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const uint32_t c0 = nf4_encode(d != 0.0f ? __fdiv_rn(v[i], d) : 0.0f, mid);
+    const uint32_t c1 = nf4_encode(d != 0.0f ? __fdiv_rn(v[i + 1], d) : 0.0f, mid);
+    w[i / 8] |= ((c0 << 4) | c1) << (8 * ((i / 2) % 4));  // little-endian: byte i/2 of the 8
+  }
+  *reinterpret_cast<uint2*>(out + c * 8) = make_uint2(w[0], w[1]);  // out is fresh: 8-byte aligned
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// NVFP4 quantize: two kernels, one thread per block of 16 weights (absmax + its max; scales and codes).
+
+template <typename T, bool kVec>
+__global__ void nvfp4_absmax_kernel(const T* __restrict__ x, int64_t nb, float* __restrict__ bmax,
+                                    unsigned int* __restrict__ amax_bits) {
+  __shared__ float smem[32];
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  float m = 0.0f;
+  if (b < nb) {
+    float v[16];
+    load16<T, kVec>(x + b * 16, v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(v[i]));
+    bmax[b] = m;
+  }
+  m = block_max(m, smem);
+  if (threadIdx.x == 0) atomic_max_nonneg(amax_bits, m);
+}
+
+template <typename T, bool kVec>
+__global__ void nvfp4_encode_kernel(const T* __restrict__ x, int64_t nb, const float* __restrict__ bmax,
+                                    const unsigned int* __restrict__ amax_bits,
+                                    c10::Float8_e4m3fn* __restrict__ block_scale, float* __restrict__ tensor_scale,
+                                    uint8_t* __restrict__ out) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nb) return;
+  // amax / (448 * 6): the CPU's constant folds to 2688, exactly representable.
+  const float ts = __fdiv_rn(__uint_as_float(*amax_bits), kE4m3Max * kE2m1Max);
+  if (b == 0) *tensor_scale = ts;
+  const c10::Float8_e4m3fn s(ts > 0.0f ? __fdiv_rn(__fdiv_rn(bmax[b], kE2m1Max), ts) : 0.0f);
+  block_scale[b] = s;
+  const float t = __fmul_rn(ts, static_cast<float>(s));
+  float v[16];
+  load16<T, kVec>(x + b * 16, v);
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const uint32_t c0 = t > 0.0f ? e2m1_encode(__fdiv_rn(v[i], t)) : 0u;
+    const uint32_t c1 = t > 0.0f ? e2m1_encode(__fdiv_rn(v[i + 1], t)) : 0u;
+    w[i / 8] |= (c0 | (c1 << 4)) << (8 * ((i / 2) % 4));  // the even element in the low nibble
+  }
+  *reinterpret_cast<uint2*>(out + b * 8) = make_uint2(w[0], w[1]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dequantize (the hot path). Both formats pack a multiple of 8 bytes, so the packed data is read as 4-byte words
+// (8 weights each) and no word is ever partial. Each thread handles kWordsPerThread words spaced one warp apart:
+// word (warp * kWordsPerThread + j) * 32 + lane. Every load instruction then reads 128 contiguous bytes per warp and
+// every store instruction writes 8 * 32 contiguous weights (16 bytes per lane, 512 per warp for bf16 / fp16; fp32
+// takes two 16-byte stores per word), all loads issued before the first use. The code tables sit in shared memory:
+// lanes index them with data-dependent nibbles, which constant memory would serialise and shared memory serves
+// without conflict (16 words, 16 banks). kVec: the packed input is 4-byte aligned (a view with a storage offset may
+// not be; then each word is assembled from byte loads, same values). The output is fresh, hence 16-byte aligned.
+constexpr int kWordsPerThread = 4;
+
+template <bool kVec>
+__device__ __forceinline__ uint32_t load_word(const uint8_t* __restrict__ in, int64_t w) {
+  if constexpr (kVec) {
+    return __ldg(reinterpret_cast<const uint32_t*>(in) + w);
+  } else {
+    const uint8_t* p = in + 4 * w;
+    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+           (static_cast<uint32_t>(p[3]) << 24);
+  }
+}
+
+// o[0..8) = v, rounded to T, as one (16-bit T) or two (fp32) 16-byte stores.
+template <typename T>
+__device__ __forceinline__ void store8(T* __restrict__ o, const float (&v)[8]) {
+  uint4* p = reinterpret_cast<uint4*>(o);
+  if constexpr (sizeof(T) == 4) {
+    p[0] = make_uint4(out_bits<T>(v[0]), out_bits<T>(v[1]), out_bits<T>(v[2]), out_bits<T>(v[3]));
+    p[1] = make_uint4(out_bits<T>(v[4]), out_bits<T>(v[5]), out_bits<T>(v[6]), out_bits<T>(v[7]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = out_bits<T>(v[2 * i]) | (out_bits<T>(v[2 * i + 1]) << 16);
+    p[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// First word of this thread; its j-th word is first + 32 * j.
+__device__ __forceinline__ int64_t first_word() {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  return warp * (32 * kWordsPerThread) + threadIdx.x % 32;
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) nf4_dequant_kernel(
+    const uint8_t* __restrict__ in, int64_t nwords, const c10::Float8_e4m3fn* __restrict__ q,
+    const float* __restrict__ scale, const float* __restrict__ offset_ptr, T* __restrict__ o) {
+  __shared__ float code[16];
+  if (threadIdx.x < 16) code[threadIdx.x] = kNf4Code[threadIdx.x];
+  __syncthreads();
+  const int64_t w0 = first_word();
+  uint32_t word[kWordsPerThread];
+#pragma unroll
+  for (int j = 0; j < kWordsPerThread; ++j) word[j] = w0 + 32 * j < nwords ? load_word<kVec>(in, w0 + 32 * j) : 0u;
+  const float offset = __ldg(offset_ptr);
+#pragma unroll
+  for (int j = 0; j < kWordsPerThread; ++j) {
+    const int64_t w = w0 + 32 * j;
+    if (w >= nwords) break;
+    const int64_t blk = w / (kNf4Block / 8);  // 8 words per block of 64 weights
+    const float d = __fadd_rn(__fmul_rn(static_cast<float>(q[blk]), __ldg(scale + blk / kNf4Group)), offset);
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // byte i: the even weight in the high nibble
+      const uint32_t byte = (word[j] >> (8 * i)) & 0xFFu;
+      v[2 * i] = __fmul_rn(code[byte >> 4], d);
+      v[2 * i + 1] = __fmul_rn(code[byte & 0xFu], d);
+    }
+    store8<T>(o + 8 * w, v);
+  }
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) nvfp4_dequant_kernel(
+    const uint8_t* __restrict__ in, int64_t nwords, const c10::Float8_e4m3fn* __restrict__ block_scale,
+    const float* __restrict__ ts_ptr, T* __restrict__ o) {
+  __shared__ float value[16];
+  if (threadIdx.x < 16) value[threadIdx.x] = kE2m1Value[threadIdx.x];
+  __syncthreads();
+  const int64_t w0 = first_word();
+  uint32_t word[kWordsPerThread];
+#pragma unroll
+  for (int j = 0; j < kWordsPerThread; ++j) word[j] = w0 + 32 * j < nwords ? load_word<kVec>(in, w0 + 32 * j) : 0u;
+  const float ts = __ldg(ts_ptr);
+#pragma unroll
+  for (int j = 0; j < kWordsPerThread; ++j) {
+    const int64_t w = w0 + 32 * j;
+    if (w >= nwords) break;
+    const float t = __fmul_rn(ts, static_cast<float>(block_scale[w / (kNvfp4Block / 8)]));  // 2 words per block
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // byte i: the even weight in the low nibble
+      const uint32_t byte = (word[j] >> (8 * i)) & 0xFFu;
+      v[2 * i] = __fmul_rn(value[byte & 0xFu], t);
+      v[2 * i + 1] = __fmul_rn(value[byte >> 4], t);
+    }
+    store8<T>(o + 8 * w, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side: checks (same messages and exception types as the CPU kernels), dtype dispatch, launches.
+
+void check_weight(const at::Tensor& w, const char* op, int64_t multiple) {
+  TORCH_CHECK_VALUE(w.dim() == 2, op, ": weight must be 2-D (out_features, in_features), got shape ", w.sizes());
+  const auto t = w.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
+                   ": weight must be float32, bfloat16 or float16, got ", t);
+  TORCH_CHECK_VALUE(w.numel() > 0, op, ": weight is empty (shape ", w.sizes(), ")");
+  TORCH_CHECK_VALUE(w.size(1) % multiple == 0, op, ": in_features must be a multiple of ", multiple, ", got ",
+                    w.size(1), "; pad the weight's columns (and the input's features) with zeros");
+}
+
+void check_out_dtype(at::ScalarType dtype, const char* op) {
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
+}
+
+void check_buffer(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype,
+                  at::IntArrayRef sizes, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == sizes, op, ": ", name, " must have shape ", sizes, ", got ", t.sizes());
+  TORCH_CHECK(t.device() == device, op, ": ", name, " must be on ", device, " like data, got ", t.device());
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks of kThreads threads for n threads.
+unsigned int grid_for(int64_t n) {
+  const int64_t g = ceil_div(n, kThreads);
+  TORCH_CHECK(g <= 0x7fffffff, "trainstream: tensor too large for one launch (", n, " work items)");
+  return static_cast<unsigned int>(g);
+}
+
+// Calls fn(T{}, std::bool_constant<vec>{}) with T the tensor's element type (float / BFloat16 / Half).
+template <typename Fn>
+void dispatch_float(at::ScalarType t, bool vec, Fn&& fn) {
+  auto with_vec = [&](auto tag) {
+    if (vec) {
+      fn(tag, std::true_type{});
+    } else {
+      fn(tag, std::false_type{});
+    }
+  };
+  switch (t) {
+    case at::kFloat: with_vec(float{}); break;
+    case at::kBFloat16: with_vec(c10::BFloat16{}); break;
+    case at::kHalf: with_vec(c10::Half{}); break;
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked float dtype ", t);
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_nf4_cuda(const at::Tensor& weight) {
+  check_weight(weight, "quantize_nf4", kNf4Block);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = w.size(0), cols = w.size(1);
+  const int64_t nb = w.numel() / kNf4Block, ng = (nb + kNf4Group - 1) / kNf4Group, nchunks = nb * 4;
+  TORCH_CHECK(ng <= 0x7fffffff, "quantize_nf4: weight too large (", w.numel(), " elements)");
+  const auto opts = w.options();
+  at::Tensor data = at::empty({rows, cols / 2}, opts.dtype(at::kByte));
+  at::Tensor absmax_q = at::empty({nb}, opts.dtype(at::kFloat8_e4m3fn));
+  at::Tensor absmax_scale = at::empty({ng}, opts.dtype(at::kFloat));
+  at::Tensor absmax_offset = at::empty({}, opts.dtype(at::kFloat));
+  at::Tensor absmax = at::empty({nb}, opts.dtype(at::kFloat));
+  at::Tensor dq = at::empty({nb}, opts.dtype(at::kFloat));
+  // [0]: max absmax as float bits; [1..2]: the int64 fixed-point sum. Zeroed on the stream (no host sync).
+  at::Tensor scratch = at::zeros({4}, opts.dtype(at::kInt));
+  auto* amax_bits = reinterpret_cast<unsigned int*>(scratch.data_ptr<int32_t>());
+  auto* total = reinterpret_cast<unsigned long long*>(scratch.data_ptr<int32_t>() + 2);  // 8-byte aligned
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  auto* q = absmax_q.data_ptr<c10::Float8_e4m3fn>();
+
+  dispatch_float(w.scalar_type(), aligned16(w.data_ptr()), [&](auto tag, auto vec) {
+    using T = decltype(tag);
+    constexpr bool kVec = decltype(vec)::value;
+    const T* x = reinterpret_cast<const T*>(w.data_ptr());
+    nf4_absmax_kernel<T, kVec><<<grid_for(nchunks), kThreads, 0, stream>>>(x, nchunks, absmax.data_ptr<float>(),
+                                                                           amax_bits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const unsigned int sum_grid = std::min<unsigned int>(grid_for(nb), 1024u);
+    nf4_fixed_sum_kernel<<<sum_grid, kThreads, 0, stream>>>(absmax.data_ptr<float>(), nb, amax_bits, total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    nf4_double_quant_kernel<<<static_cast<unsigned int>(ng), kNf4Group, 0, stream>>>(
+        absmax.data_ptr<float>(), nb, amax_bits, total, q, absmax_scale.data_ptr<float>(),
+        absmax_offset.data_ptr<float>(), dq.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    nf4_encode_kernel<T, kVec><<<grid_for(nchunks), kThreads, 0, stream>>>(x, nchunks, dq.data_ptr<float>(),
+                                                                           data.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {data, absmax_q, absmax_scale, absmax_offset};
+}
+
+at::Tensor dequantize_nf4_cuda(const at::Tensor& data, const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
+                               const at::Tensor& absmax_offset, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2, "dequantize_nf4: data must be 2-D (out_features, in_features / 2), got shape ",
+              data.sizes());
+  TORCH_CHECK(data.scalar_type() == at::kByte, "dequantize_nf4: data must be uint8, got ", data.scalar_type());
+  TORCH_CHECK((data.size(1) * 2) % kNf4Block == 0, "dequantize_nf4: in_features (", data.size(1) * 2,
+              ") must be a multiple of ", kNf4Block);
+  check_out_dtype(dtype, "dequantize_nf4");
+  TORCH_CHECK(data.is_cuda(), "dequantize_nf4: data must be a CUDA tensor, got ", data.device());
+  const int64_t rows = data.size(0), cols = data.size(1) * 2;
+  const int64_t nb = rows * cols / kNf4Block, ng = (nb + kNf4Group - 1) / kNf4Group;
+  check_buffer(absmax_q, "dequantize_nf4", "absmax_q", at::kFloat8_e4m3fn, {nb}, data.device());
+  check_buffer(absmax_scale, "dequantize_nf4", "absmax_scale", at::kFloat, {ng}, data.device());
+  check_buffer(absmax_offset, "dequantize_nf4", "absmax_offset", at::kFloat, {}, data.device());
+  const c10::cuda::CUDAGuard guard(data.device());
+  const at::Tensor dc = data.contiguous(), qc = absmax_q.contiguous(), sc = absmax_scale.contiguous();
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(dtype));
+  const int64_t nwords = dc.numel() / 4;  // a multiple of 8 bytes (a block is 32 NF4 / 8 NVFP4 bytes)
+  if (nwords == 0) return out;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(dtype, reinterpret_cast<uintptr_t>(dc.data_ptr()) % 4 == 0, [&](auto tag, auto vec) {
+    using T = decltype(tag);
+    constexpr bool kVec = decltype(vec)::value;
+    nf4_dequant_kernel<T, kVec><<<grid_for(ceil_div(nwords, kWordsPerThread * 32) * 32), kThreads, 0, stream>>>(
+        dc.data_ptr<uint8_t>(), nwords, qc.data_ptr<c10::Float8_e4m3fn>(), sc.data_ptr<float>(),
+        absmax_offset.data_ptr<float>(), reinterpret_cast<T*>(out.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_nvfp4_cuda(const at::Tensor& weight) {
+  check_weight(weight, "quantize_nvfp4", kNvfp4Block);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const at::Tensor w = weight.contiguous();
+  const int64_t rows = w.size(0), cols = w.size(1), nb = w.numel() / kNvfp4Block;
+  const auto opts = w.options();
+  at::Tensor data = at::empty({rows, cols / 2}, opts.dtype(at::kByte));
+  at::Tensor block_scale = at::empty({rows, cols / kNvfp4Block}, opts.dtype(at::kFloat8_e4m3fn));
+  at::Tensor tensor_scale = at::empty({}, opts.dtype(at::kFloat));
+  at::Tensor bmax = at::empty({nb}, opts.dtype(at::kFloat));
+  at::Tensor amax = at::zeros({1}, opts.dtype(at::kInt));  // max |w| as float bits
+  auto* amax_bits = reinterpret_cast<unsigned int*>(amax.data_ptr<int32_t>());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  dispatch_float(w.scalar_type(), aligned16(w.data_ptr()), [&](auto tag, auto vec) {
+    using T = decltype(tag);
+    constexpr bool kVec = decltype(vec)::value;
+    const T* x = reinterpret_cast<const T*>(w.data_ptr());
+    nvfp4_absmax_kernel<T, kVec><<<grid_for(nb), kThreads, 0, stream>>>(x, nb, bmax.data_ptr<float>(), amax_bits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    nvfp4_encode_kernel<T, kVec><<<grid_for(nb), kThreads, 0, stream>>>(
+        x, nb, bmax.data_ptr<float>(), amax_bits, block_scale.data_ptr<c10::Float8_e4m3fn>(),
+        tensor_scale.data_ptr<float>(), data.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {data, block_scale, tensor_scale};
+}
+
+at::Tensor dequantize_nvfp4_cuda(const at::Tensor& data, const at::Tensor& block_scale,
+                                 const at::Tensor& tensor_scale, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2, "dequantize_nvfp4: data must be 2-D (out_features, in_features / 2), got shape ",
+              data.sizes());
+  TORCH_CHECK(data.scalar_type() == at::kByte, "dequantize_nvfp4: data must be uint8, got ", data.scalar_type());
+  TORCH_CHECK((data.size(1) * 2) % kNvfp4Block == 0, "dequantize_nvfp4: in_features (", data.size(1) * 2,
+              ") must be a multiple of ", kNvfp4Block);
+  check_out_dtype(dtype, "dequantize_nvfp4");
+  TORCH_CHECK(data.is_cuda(), "dequantize_nvfp4: data must be a CUDA tensor, got ", data.device());
+  const int64_t rows = data.size(0), cols = data.size(1) * 2;
+  check_buffer(block_scale, "dequantize_nvfp4", "block_scale", at::kFloat8_e4m3fn, {rows, cols / kNvfp4Block},
+               data.device());
+  check_buffer(tensor_scale, "dequantize_nvfp4", "tensor_scale", at::kFloat, {}, data.device());
+  const c10::cuda::CUDAGuard guard(data.device());
+  const at::Tensor dc = data.contiguous(), sc = block_scale.contiguous();
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(dtype));
+  const int64_t nwords = dc.numel() / 4;  // a multiple of 8 bytes (a block is 32 NF4 / 8 NVFP4 bytes)
+  if (nwords == 0) return out;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(dtype, reinterpret_cast<uintptr_t>(dc.data_ptr()) % 4 == 0, [&](auto tag, auto vec) {
+    using T = decltype(tag);
+    constexpr bool kVec = decltype(vec)::value;
+    nvfp4_dequant_kernel<T, kVec><<<grid_for(ceil_div(nwords, kWordsPerThread * 32) * 32), kThreads, 0, stream>>>(
+        dc.data_ptr<uint8_t>(), nwords, sc.data_ptr<c10::Float8_e4m3fn>(), tensor_scale.data_ptr<float>(),
+        reinterpret_cast<T*>(out.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace trainstream
+
+TORCH_LIBRARY_IMPL(trainstream, CUDA, m) {
+  m.impl("quantize_nf4", &trainstream::quantize_nf4_cuda);
+  m.impl("dequantize_nf4", &trainstream::dequantize_nf4_cuda);
+  m.impl("quantize_nvfp4", &trainstream::quantize_nvfp4_cuda);
+  m.impl("dequantize_nvfp4", &trainstream::dequantize_nvfp4_cuda);
+}
