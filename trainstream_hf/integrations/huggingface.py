@@ -225,3 +225,62 @@ def _register() -> None:
 
 
 _register()
+
+
+def reference_logprobs(
+    model: nn.Module,
+    chosen: Any,
+    rejected: Any,
+    *,
+    ref_model: nn.Module | None = None,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO reference log-probabilities from the policy's own base weights: LoRA adapters switched off.
+
+    No second model is kept in memory: for a ``peft.PeftModel`` the adapters are disabled with
+    ``model.disable_adapter()`` (PEFT's public context manager) for the duration of the call. The model is put in
+    eval mode meanwhile (a reference must not see dropout) and every module's training flag is restored after.
+    Runs under ``torch.no_grad()``.
+
+    Args:
+        model: the policy, a ``PeftModel`` over a transformers causal LM.
+        chosen, rejected: each either an ``input_ids`` tensor [B, T] or a mapping with ``input_ids`` and optionally
+            ``attention_mask`` and ``labels_mask`` (TRL's name ``completion_mask`` is accepted too).
+        ref_model: an explicit reference model; required when ``model`` is not a PEFT model. Used as it is.
+        **kw: passed to :func:`trainstream_hf.losses.sequence_logprobs` (``chunk_tokens``, ``average``).
+
+    Returns:
+        (ref_chosen, ref_rejected): two [B] fp32 tensors without grad.
+    """
+    from contextlib import nullcontext
+
+    from trainstream_hf.losses import sequence_logprobs
+
+    def score(m: nn.Module, batch: Any) -> torch.Tensor:
+        if isinstance(batch, torch.Tensor):
+            return sequence_logprobs(m, batch, **kw)
+        labels_mask = batch.get("labels_mask", batch.get("completion_mask"))
+        return sequence_logprobs(m, batch["input_ids"], batch.get("attention_mask"), labels_mask, **kw)
+
+    if ref_model is not None:
+        scorer, adapters_off = ref_model, nullcontext()
+    else:
+        try:
+            from peft import PeftModel
+        except ImportError:  # pragma: no cover - peft is a dependency of this package
+            PeftModel = ()
+        if not isinstance(model, PeftModel):
+            raise TypeError(
+                f"reference_logprobs needs a peft.PeftModel (its adapters are switched off to get the reference), got "
+                f"{type(model).__name__}; pass ref_model=... to score with a separate reference model."
+            )
+        scorer, adapters_off = model, model.disable_adapter()
+
+    modes = [(m, m.training) for m in scorer.modules()]
+    scorer.eval()
+    try:
+        with torch.no_grad(), adapters_off:
+            return score(scorer, chosen), score(scorer, rejected)
+    finally:
+        for m, training in modes:
+            m.training = training
