@@ -98,11 +98,11 @@ class Engine:
     def _close_step(self, now: float) -> None:
         dt = now - self._t0
         moved = self.streams.reset_counters()
+        arena = self.arena.stats()
         s = {"step": self.steps, "step_seconds": dt, **moved,
              "h2d_GBps": moved["h2d_bytes"] / dt / 1e9 if dt > 0 else 0.0,
              "d2h_GBps": moved["d2h_bytes"] / dt / 1e9 if dt > 0 else 0.0,
-             "arena_used_bytes": self.arena.stats()["used"],
-             "arena_reserved_bytes": self.arena.stats()["reserved"],
+             "arena_used_bytes": arena["used"], "arena_reserved_bytes": arena["reserved"],
              "predicted_peak_bytes": self.plan.predicted_peak()}
         if self.streams.is_cuda:
             s["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.streams.device)

@@ -33,24 +33,21 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "../include/quant_formats.h"
+
 namespace trainstream {
 namespace {
 
-constexpr int64_t kNf4Block = 64;    // weights per absmax
-constexpr int64_t kNf4Group = 256;   // absmax values per double-quantisation scale
-constexpr int64_t kNvfp4Block = 16;  // weights per E4M3 block scale
-constexpr float kE4m3Max = 448.0f;
-constexpr float kE2m1Max = 6.0f;
+using quant::kNf4Block;
+using quant::kNf4Group;
+using quant::kNvfp4Block;
+using quant::kE4m3Max;
+using quant::kE2m1Max;
 constexpr int kThreads = 256;
 
 // Same tables as csrc/cpu/quant.cpp (bitsandbytes' NF4 code; E2M1 code -> value, bit 3 the sign).
-__constant__ float kNf4Code[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
-    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
-    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
-    0.7229568362236023f, 1.0f};
-__constant__ float kE2m1Value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+__constant__ float kNf4Code[16] = TRAINSTREAM_NF4_CODE;
+__constant__ float kE2m1Value[16] = TRAINSTREAM_E2M1_VALUES;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Element conversions and 16-element loads.

@@ -34,6 +34,27 @@ def _with_stats(model, step, fields: dict):
     return run
 
 
+def _measure_wrapped(name: str, fields: dict, run_device, build, *, shape: str, batch: int, seq: int, seed: int,
+                     warmup: int, repeats: int, vram_budget: Optional[int], **wrap_options) -> dict:
+    """Times ``build()``'s (model, optimizer) wrapped with ``vram_budget``, with the peers' training step."""
+    def setup():
+        model, opt = build()
+        model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq),
+                             **wrap_options)
+        _engine_fields(model, fields)
+        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, run_device, seed)), fields), \
+            lambda: ts.unwrap(model)
+
+    return measure_training(name, setup, device=run_device, warmup=warmup, repeats=repeats,
+                            vram_budget=vram_budget, tokens=batch * seq, fields=fields)
+
+
+def _lora_model(shape: str, build_device, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(build_model(shape, torch.bfloat16, build_device, seed), LoraConfig(**LORA))
+
+
 def trainstream_lora(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
                      seq: int = 2048, warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
                      **options) -> dict:
@@ -41,19 +62,13 @@ def trainstream_lora(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 *
     device, fields = _common("trainstream_lora", shape, False, batch, seq, device)
     name = f"trainstream bf16 + LoRA r16, budget {vram_budget / 2**30:.0f} GiB" if vram_budget else "trainstream"
 
-    def setup():
-        from peft import LoraConfig, get_peft_model
+    def build():
+        model = _lora_model(shape, device, seed)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                                        fused=device.type == "cuda")
 
-        model = get_peft_model(build_model(shape, torch.bfloat16, device, seed), LoraConfig(**LORA))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                fused=device.type == "cuda")
-        model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq), **options)
-        _engine_fields(model, fields)
-        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, device, seed)), fields), \
-            lambda: ts.unwrap(model)
-
-    return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats, vram_budget=vram_budget,
-                            tokens=batch * seq, fields=fields)
+    return _measure_wrapped(name, fields, device, build, shape=shape, batch=batch, seq=seq, seed=seed,
+                            warmup=warmup, repeats=repeats, vram_budget=vram_budget, **options)
 
 
 def trainstream_full(shape: str = "llama3.2-3b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
@@ -65,17 +80,13 @@ def trainstream_full(shape: str = "llama3.2-3b", vram_budget: Optional[int] = 24
         options.setdefault("min_offload_numel", 0)
     name = f"trainstream full FT, budget {vram_budget / 2**30:.0f} GiB" if vram_budget else "trainstream full FT"
 
-    def setup():
+    def build():
         model = build_model(shape, torch.bfloat16, device, seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq),
-                             offload_optimizer=True, **options)
-        _engine_fields(model, fields)
-        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, device, seed)), fields), \
-            lambda: ts.unwrap(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats, vram_budget=vram_budget,
-                            tokens=batch * seq, fields=fields)
+    return _measure_wrapped(name, fields, device, build, shape=shape, batch=batch, seq=seq, seed=seed,
+                            warmup=warmup, repeats=repeats, vram_budget=vram_budget, offload_optimizer=True,
+                            **options)
 
 
 def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
@@ -86,19 +97,12 @@ def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 2
     device, fields = _common("trainstream_paged", shape, False, batch, seq, device)
     name = f"trainstream bf16 paged + LoRA r16, budget {vram_budget / 2**30:.0f} GiB"
 
-    def setup():
-        from peft import LoraConfig, get_peft_model
+    def build():
+        model = _lora_model(shape, "cpu", seed)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-        model = get_peft_model(build_model(shape, torch.bfloat16, "cpu", seed), LoraConfig(**LORA))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        model, opt = ts.wrap(model, opt, device=device, vram_budget=vram_budget or "auto",
-                             batch_shape=(batch, seq), **options)
-        _engine_fields(model, fields)
-        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, device, seed)), fields), \
-            lambda: ts.unwrap(model)
-
-    return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats, vram_budget=vram_budget,
-                            tokens=batch * seq, fields=fields)
+    return _measure_wrapped(name, fields, device, build, shape=shape, batch=batch, seq=seq, seed=seed,
+                            warmup=warmup, repeats=repeats, vram_budget=vram_budget, device=device, **options)
 
 
 # key -> (group, function(shape, full_shape, budget, kw)) for the engine suite
