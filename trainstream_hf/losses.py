@@ -1,4 +1,4 @@
-"""Sequence log-probabilities through the LM head in bounded chunks, and the DPO loss.
+"""Sequence and per-token log-probabilities through the LM head in bounded chunks, and the DPO loss.
 
 The log-probability of a sequence under a causal LM is
 
@@ -9,6 +9,7 @@ where ``h`` are the decoder's final hidden states and ``S`` the scored positions
 4 GiB. :func:`sequence_logprobs` instead gathers the hidden states of the scored positions only, and runs the head
 over at most ``chunk_tokens`` of them at a time under ``torch.utils.checkpoint``, so that backward recomputes each
 chunk's logits instead of keeping them: the largest intermediate is O(chunk_tokens x V) in forward and backward.
+:func:`token_logprobs` is the same computation left per token ([B, T-1], zero where unscored), as GRPO needs it.
 """
 from __future__ import annotations
 
@@ -85,6 +86,59 @@ def _chunk_token_logprobs(head: nn.Module, transforms, hidden: Tensor, targets: 
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _scored_token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    labels_mask: Tensor | None,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """(token_logps [N] fp32, scored [B, T-1] bool): log p(input_ids[:, 1:]) at the N scored positions, in order."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    scored = attention_mask.bool() if labels_mask is None else attention_mask.bool() & labels_mask.bool()
+    scored = scored[:, 1:]
+
+    lm = _unwrap(model)
+    transforms = _logit_transforms(lm)
+    if temperature != 1.0:
+        # Sampling temperature divides the final logits, after soft-capping / scaling (as generate and TRL do).
+        transforms.append(lambda z, t=float(temperature): z / t)
+    head = lm.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(lm).__name__} has no output embeddings (LM head); pass a *ForCausalLM model.")
+    decoder = lm.get_decoder()
+    if decoder is lm:
+        raise ValueError(f"{type(lm).__name__}.get_decoder() returned the model itself; pass a *ForCausalLM model.")
+
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    # Only the scored positions go through the head: prompt and padding cost nothing there.
+    hidden = hidden[:, :-1][scored]  # [N, H]
+    targets = input_ids[:, 1:][scored]  # [N]
+
+    differentiable = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if differentiable:
+            # Non-reentrant checkpoint saves only (h, y); backward recomputes this chunk's [n, V] logits,
+            # differentiates them and frees them before the next chunk.
+            pieces.append(checkpoint(_chunk_token_logprobs, head, transforms, h, y, use_reentrant=False))
+        else:
+            pieces.append(_chunk_token_logprobs(head, transforms, h, y))
+    token_logps = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    return token_logps, scored
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -115,49 +169,43 @@ def sequence_logprobs(
     Returns:
         [B] fp32 tensor, differentiable with respect to the model's trainable parameters.
     """
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-    batch, _ = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    scored = attention_mask.bool() if labels_mask is None else attention_mask.bool() & labels_mask.bool()
-    scored = scored[:, 1:]
-
-    lm = _unwrap(model)
-    transforms = _logit_transforms(lm)
-    head = lm.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(lm).__name__} has no output embeddings (LM head); pass a *ForCausalLM model.")
-    decoder = lm.get_decoder()
-    if decoder is lm:
-        raise ValueError(f"{type(lm).__name__}.get_decoder() returned the model itself; pass a *ForCausalLM model.")
-
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    # Only the scored positions go through the head: prompt and padding cost nothing there.
-    hidden = hidden[:, :-1][scored]  # [N, H]
-    targets = input_ids[:, 1:][scored]  # [N]
+    token_logps, scored = _scored_token_logprobs(model, input_ids, attention_mask, labels_mask, chunk_tokens)
+    batch = input_ids.shape[0]
     rows = torch.arange(batch, device=input_ids.device).unsqueeze(1).expand_as(scored)[scored]  # [N]
-
-    differentiable = torch.is_grad_enabled() and (
-        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
-    )
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if differentiable:
-            # Non-reentrant checkpoint saves only (h, y); backward recomputes this chunk's [n, V] logits,
-            # differentiates them and frees them before the next chunk.
-            pieces.append(checkpoint(_chunk_token_logprobs, head, transforms, h, y, use_reentrant=False))
-        else:
-            pieces.append(_chunk_token_logprobs(head, transforms, h, y))
-    token_logps = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-
     out = torch.zeros(batch, dtype=torch.float32, device=input_ids.device).index_add(0, rows, token_logps)
     if average:
         out = out / scored.sum(dim=1).clamp(min=1).to(out.dtype)
     return out
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    labels_mask: Tensor | None = None,
+    *,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Per-token log-probabilities of the scored tokens, never materialising [B, T, V] logits.
+
+    ``out[b, t] = log softmax(z_t / temperature)[input_ids[b, t+1]]`` where token t+1 is scored, else 0: the
+    per-token form of :func:`sequence_logprobs` (which is ``token_logprobs(...).sum(1)`` at ``temperature=1``), as
+    GRPO-style losses need it. Same chunking, same memory bound, same logit transforms; ``temperature`` divides the
+    logits after them, as ``generate`` and TRL 1.16's ``GRPOTrainer`` do.
+
+    Args:
+        model, input_ids, attention_mask, labels_mask, chunk_tokens: as for :func:`sequence_logprobs`.
+        temperature: the sampling temperature the logits are divided by (> 0).
+
+    Returns:
+        [B, T - 1] fp32 tensor, zero at unscored positions, differentiable with respect to the model's trainable
+        parameters.
+    """
+    token_logps, scored = _scored_token_logprobs(model, input_ids, attention_mask, labels_mask, chunk_tokens,
+                                                 temperature)
+    # masked_scatter keeps the graph (and gives a [B, T-1] of zeros when nothing is scored).
+    return token_logps.new_zeros(scored.shape).masked_scatter(scored, token_logps)
 
 
 def dpo_loss(

@@ -1,58 +1,135 @@
-"""TRL's DPOTrainer with trainstream: the engine callback, and reference log-probs in bounded chunks.
+"""TRL's DPOTrainer and GRPOTrainer with trainstream: the engine callback, reference log-probs in bounded chunks.
 
-``TrainStreamDPOTrainer`` is TRL's ``DPOTrainer`` (targets **TRL 1.16**, ``trl/trainer/dpo_trainer.py``) with two
-changes:
+Both subclasses target **TRL 1.16** and differ from TRL's trainers in the same two ways:
 
-* ``trainstream_config=`` adds a :class:`~trainstream_hf.integrations.transformers.TrainStreamCallback`, which
-  installs the engine when training begins and takes it out at the end (as ``TrainStreamTrainer`` does), and the
-  engine's figures go into every log.
-* The reference log-probabilities are computed with :func:`trainstream_hf.losses.sequence_logprobs` (hidden
-  states of the completion tokens only, through the LM head ``ref_chunk_tokens`` at a time), with the same
-  reference TRL 1.16 would use: for a PEFT policy and no ``ref_model``, the same model with its adapters switched
-  off (or its ``"ref"`` adapter when one exists), so a single model is in memory; else ``ref_model``.
+* The engine: ``trainstream_config=`` (or a ``TrainStreamDPOConfig`` / ``TrainStreamGRPOConfig``, i.e. TRL's config
+  plus every ``trainstream_*`` field of :class:`~trainstream_hf.integrations.transformers.TrainStreamTrainingArguments`)
+  adds a :class:`~trainstream_hf.integrations.transformers.TrainStreamCallback`, which installs the engine when
+  training begins and takes it out at the end (as ``TrainStreamTrainer`` does); the engine's figures go into every log.
+* One model in memory. The reference is the same model: for a PEFT policy, the model with its adapters switched off
+  (or its ``"ref"`` adapter, which TRL 1.16 copies from a policy that came with a trained adapter). The reference
+  log-probabilities are computed by :mod:`trainstream_hf.losses` (hidden states of the completion tokens only, through
+  the LM head ``ref_chunk_tokens`` at a time): :func:`~trainstream_hf.losses.sequence_logprobs` for DPO,
+  :func:`~trainstream_hf.losses.token_logprobs` for GRPO. ``TrainStreamGRPOTrainer`` refuses ``beta > 0`` without a
+  PEFT policy: TRL 1.16 would then load a second full copy of the model as ``ref_model``.
 
-What TRL 1.16 does and what is overridden here:
+TRL 1.16 internals overridden (the only ones; everything else is TRL's code, unchanged):
 
-* ``DPOTrainer.compute_ref_log_probs(model, inputs)`` scores one padded ``[chosen; rejected]`` batch; TRL calls it
-  only from ``_precompute_ref_logps`` (``precompute_ref_log_probs=True``). Overridden.
-* Without precompute, TRL computes the reference inline in ``DPOTrainer._compute_loss`` (no hook). But
-  ``_compute_loss`` reads ``inputs["ref_chosen_logps"]`` / ``inputs["ref_rejected_logps"]`` when
-  ``self.precompute_ref_logps`` is true, so ``compute_loss`` is overridden to put our reference log-probs into the
-  batch and set that flag for the duration of the call: the rest of TRL's loss (policy forward with its fused LM
-  head, every ``loss_type``, metrics) is TRL's own code, unchanged.
+* ``DPOTrainer.compute_ref_log_probs(model, inputs)`` (``trl/trainer/dpo_trainer.py``) scores one padded
+  ``[chosen; rejected]`` batch; TRL calls it only from ``_precompute_ref_logps`` (``precompute_ref_log_probs=True``).
+* ``DPOTrainer.compute_loss``: without precompute, TRL computes the reference inline in ``DPOTrainer._compute_loss``
+  (no hook), but ``_compute_loss`` reads ``inputs["ref_chosen_logps"]`` / ``inputs["ref_rejected_logps"]`` when
+  ``self.precompute_ref_logps`` is true; so ``compute_loss`` puts our reference log-probs into the batch and sets that
+  flag for the duration of the call. The policy forward (TRL's fused LM head), every ``loss_type`` and the metrics
+  stay TRL's.
+* ``GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size, ...)``
+  (``trl/trainer/grpo_trainer.py``): ``_generate_and_score_completions`` computes the reference with it, under
+  ``torch.no_grad()`` and inside ``use_adapter(model, None | "ref")``, on ``self.model`` when ``ref_model`` is None.
+  Exactly that call (adapters off or ``"ref"`` active, no grad, no entropy, text-only inputs) is answered with
+  ``token_logprobs``; every other call (policy, old policy, entropies) is TRL's fused LM head.
+* ``training_step`` (transformers' public hook, TRL's ``GRPOTrainer.training_step`` underneath) waits for the engine's
+  overlapped optimizer step before TRL generates: ``generate`` does not run the model's top-level forward hooks,
+  which is where that wait otherwise happens.
 
-Batches this path does not cover fall back to TRL's code, unchanged: ``ld_alpha`` (needs per-token log-probs),
-vision / extra model inputs (anything besides ``input_ids``, ``attention_mask``, ``completion_mask``), and
-prompt-learning PEFT adapters.
+Batches these paths do not cover fall back to TRL's code, unchanged: DPO's ``ld_alpha`` (per-token log-probs), vision
+or other extra model inputs (anything besides ids and masks), and prompt-learning PEFT adapters.
+
+Numerics: the reference logits of a chunk are ``lm_head(h)`` in the model's dtype, then fp32 (as the model's own
+forward gives them); TRL 1.16's fused head, which scores the policy, accumulates the head's matmul in fp32. In fp32 the
+two agree to ~1e-6; in bf16 set ``cast_lm_head_to_fp32=True`` (GRPO) for the two to agree as closely. The reference
+runs in eval mode (no dropout) whatever ``disable_dropout`` says.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from accelerate.utils import is_peft_model
-from trl import DPOTrainer
+from torch import nn
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from trainstream_hf.config import TrainStreamConfig
-from trainstream_hf.integrations.transformers import TrainStreamCallback, log_figures
-from trainstream_hf.losses import sequence_logprobs
+from trainstream_hf.integrations.transformers import (TrainStreamCallback, TrainStreamTrainingArguments,
+                                                      log_figures)
+from trainstream_hf.losses import sequence_logprobs, token_logprobs
 from trainstream_hf.wrap import engine_of
 
-__all__ = ["TrainStreamDPOTrainer"]
+__all__ = ["TrainStreamDPOConfig", "TrainStreamDPOTrainer", "TrainStreamGRPOConfig", "TrainStreamGRPOTrainer"]
 
 _BATCH_KEYS = {"input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
+# -- configs: TRL's config + TrainStreamTrainingArguments' trainstream_* fields ------------------------------------
+# TRL's config comes first so that its defaults (learning_rate, logging_steps, ...) win over TrainingArguments' ones
+# (dataclass fields are collected in reverse MRO order); __post_init__ runs TRL's, then ours, then TrainingArguments'.
+@dataclass
+class TrainStreamDPOConfig(DPOConfig, TrainStreamTrainingArguments):
+    """``trl.DPOConfig`` plus ``trainstream`` ("auto" / "on" / "off") and every ``trainstream_<option>``."""
+
+
+@dataclass
+class TrainStreamGRPOConfig(GRPOConfig, TrainStreamTrainingArguments):
+    """``trl.GRPOConfig`` plus ``trainstream`` ("auto" / "on" / "off") and every ``trainstream_<option>``."""
+
+
+# -- shared machinery -------------------------------------------------------------------------------------------
+def _engine_callback(args: Any, trainstream_config: TrainStreamConfig | None) -> TrainStreamCallback | None:
+    """The callback an explicit config, or arguments asking for the engine, call for (as ``TrainStreamTrainer``)."""
+    if trainstream_config is None and isinstance(args, TrainStreamTrainingArguments) and args.trainstream_enabled():
+        trainstream_config = args.trainstream_config()
+    return TrainStreamCallback(trainstream_config) if trainstream_config is not None else None
+
+
+def _synchronize_engines(model: nn.Module) -> None:
+    """Waits for the engine's overlapped CPU optimizer step. The model's top-level forward hook does that wait, and
+    ``losses`` (decoder and head called directly) and ``generate`` bypass it."""
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        engine = engine_of(m) if m is not None else None
+        if engine is not None and hasattr(engine.optimizer, "synchronize"):
+            engine.optimizer.synchronize()
+
+
+@contextlib.contextmanager
+def _reference_pass(trainer, scorer: nn.Module) -> Iterator[None]:
+    """No grad, no dropout (eval, every module's flag restored after), no gradient checkpointing, the trainer's
+    autocast, and the engine's pending step done."""
+    _synchronize_engines(scorer)
+    modes = [(m, m.training) for m in scorer.modules()]
+    scorer.eval()
+    try:
+        with (torch.no_grad(),
+              disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
+              trainer.accelerator.autocast()):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _is_prompt_learning(model: nn.Module) -> bool:
+    cfg = getattr(model, "active_peft_config", None)
+    return cfg is not None and bool(getattr(cfg, "is_prompt_learning", False))
+
+
+def _log(trainer, logs: dict[str, float]) -> None:
+    if trainer._ts_callback is not None and trainer._ts_callback.last:
+        logs.update(log_figures(trainer._ts_callback.last))
+
+
+# -- DPO ----------------------------------------------------------------------------------------------------------
 class TrainStreamDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` (TRL 1.16) with the trainstream engine and chunked reference log-probabilities.
 
     Args:
         *args, **kwargs: as for ``DPOTrainer``.
-        trainstream_config: when given, the engine is installed at train begin (``TrainStreamCallback``) and its
-            figures are logged as ``trainstream/*``.
+        trainstream_config: when given (or when ``args`` is a :class:`TrainStreamDPOConfig` that turns the engine on),
+            the engine is installed at train begin (``TrainStreamCallback``) and its figures are logged as
+            ``trainstream/*``.
         ref_chunk_tokens: completion tokens per LM-head chunk in the reference pass; bounds its largest
             intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
     """
@@ -65,8 +142,8 @@ class TrainStreamDPOTrainer(DPOTrainer):
         self.ref_chunk_tokens = int(ref_chunk_tokens)
         self._ts_callback = None
         super().__init__(*args, **kwargs)
-        if trainstream_config is not None:
-            self._ts_callback = TrainStreamCallback(trainstream_config)
+        self._ts_callback = _engine_callback(self.args, trainstream_config)
+        if self._ts_callback is not None:
             self.add_callback(self._ts_callback)
 
     # -- reference log-probs ------------------------------------------------------------------------
@@ -75,8 +152,7 @@ class TrainStreamDPOTrainer(DPOTrainer):
         if self.ld_alpha is not None or not set(inputs) <= _BATCH_KEYS:
             return False
         if self.ref_model is None and is_peft_model(self.model):
-            cfg = getattr(self.accelerator.unwrap_model(self.model), "active_peft_config", None)
-            if cfg is not None and getattr(cfg, "is_prompt_learning", False):
+            if _is_prompt_learning(self.accelerator.unwrap_model(self.model)):
                 return False
         return True
 
@@ -91,23 +167,9 @@ class TrainStreamDPOTrainer(DPOTrainer):
             scorer = self.accelerator.unwrap_model(self.model)
             adapters = (use_adapter(scorer, adapter_name="ref" if "ref" in scorer.peft_config else None)
                         if is_peft_model(scorer) else contextlib.nullcontext())
-        # The engine's overlapped CPU optimizer step is awaited by the model's top-level forward hook, which
-        # sequence_logprobs bypasses (it calls the decoder and the head directly): wait for the step here.
-        for m in (scorer, getattr(scorer, "get_base_model", lambda: None)()):
-            engine = engine_of(m) if m is not None else None
-            if engine is not None and hasattr(engine.optimizer, "synchronize"):
-                engine.optimizer.synchronize()
-        modes = [(m, m.training) for m in scorer.modules()]
-        scorer.eval()  # a reference sees no dropout
-        try:
-            with (torch.no_grad(),
-                  disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-                  adapters, self.accelerator.autocast()):
-                logps = sequence_logprobs(scorer, inputs["input_ids"], inputs["attention_mask"],
-                                          inputs["completion_mask"], chunk_tokens=self.ref_chunk_tokens)
-        finally:
-            for m, training in modes:
-                m.training = training
+        with _reference_pass(self, scorer), adapters:
+            logps = sequence_logprobs(scorer, inputs["input_ids"], inputs["attention_mask"],
+                                      inputs["completion_mask"], chunk_tokens=self.ref_chunk_tokens)
         return logps.chunk(2, dim=0)
 
     def compute_ref_log_probs(self, model, inputs):
@@ -128,8 +190,98 @@ class TrainStreamDPOTrainer(DPOTrainer):
         finally:
             self.precompute_ref_logps = False
 
-    # -- logging --------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self._ts_callback is not None and self._ts_callback.last:
-            logs.update(log_figures(self._ts_callback.last))
+        _log(self, logs)
+        super().log(logs, *args, **kwargs)
+
+
+# -- GRPO ---------------------------------------------------------------------------------------------------------
+_GRPO_INIT = inspect.signature(GRPOTrainer.__init__)
+
+
+class TrainStreamGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` (TRL 1.16) with the trainstream engine and a reference that is the same model.
+
+    With ``beta > 0`` the KL term's reference per-token log-probabilities come from the policy with its LoRA adapters
+    switched off (TRL's ``use_adapter``), scored by :func:`~trainstream_hf.losses.token_logprobs`; ``ref_model`` stays
+    None. Without a PEFT policy (a ``PeftModel``, or a model and ``peft_config=``) ``beta > 0`` is refused.
+
+    Args:
+        *args, **kwargs: as for ``GRPOTrainer``.
+        trainstream_config: when given (or when ``args`` is a :class:`TrainStreamGRPOConfig` that turns the engine
+            on), the engine is installed at train begin (``TrainStreamCallback``) and its figures are logged as
+            ``trainstream/*``.
+        ref_chunk_tokens: completion tokens per LM-head chunk in the reference pass; bounds its largest
+            intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
+
+    Raises:
+        ValueError: ``beta > 0`` and the policy is not a PEFT model; ``ref_chunk_tokens < 1``.
+    """
+
+    def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, ref_chunk_tokens: int = 1024,
+                 **kwargs):
+        if ref_chunk_tokens < 1:
+            raise ValueError(f"ref_chunk_tokens must be >= 1, got {ref_chunk_tokens}")
+        bound = _GRPO_INIT.bind(self, *args, **kwargs).arguments
+        grpo_args, model = bound.get("args"), bound["model"]
+        beta = grpo_args.beta if grpo_args is not None else GRPOConfig.__dataclass_fields__["beta"].default
+        if beta != 0.0 and bound.get("peft_config") is None and not is_peft_model(model):
+            raise ValueError(
+                f"TrainStreamGRPOTrainer: beta={beta} needs a reference policy, and for a model without adapters TRL "
+                f"1.16 would load a second full copy of it as ref_model; trainstream keeps one model in memory. Train "
+                f"LoRA adapters (pass peft_config=LoraConfig(...), or a peft.PeftModel) so that the reference is the "
+                f"same model with its adapters switched off, or set beta=0.0 (no KL term, TRL's default).")
+        self.ref_chunk_tokens = int(ref_chunk_tokens)
+        self._ts_callback = None
+        super().__init__(*args, **kwargs)
+        if self.ref_model is not None:  # TRL changed how it builds the reference: never keep a second model
+            raise RuntimeError("TrainStreamGRPOTrainer: TRL created a ref_model; this class targets TRL 1.16, which "
+                               "keeps none for a PEFT policy")
+        self._ts_callback = _engine_callback(self.args, trainstream_config)
+        if self._ts_callback is not None:
+            self.add_callback(self._ts_callback)
+
+    def _ts_is_reference_call(self, model, compute_entropy: bool, compute_aux_loss: bool, extra: dict) -> bool:
+        """Whether TRL 1.16 is asking for the reference's log-probs (see the module docstring), text-only."""
+        if self.beta == 0.0 or self.ref_model is not None or model is not self.model:
+            return False
+        if compute_entropy or compute_aux_loss or torch.is_grad_enabled() or any(v is not None for v in extra.values()):
+            return False
+        scorer = self.accelerator.unwrap_model(model)
+        if not is_peft_model(scorer) or _is_prompt_learning(scorer):
+            return False
+        # TRL's use_adapter(model, None) disables the adapters; use_adapter(model, "ref") activates the "ref" copy.
+        return not scorer.has_active_enabled_adapter or scorer.active_adapter == "ref"
+
+    def _ts_reference_token_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                                  batch_size: int | None) -> torch.Tensor:
+        """[B, logits_to_keep] reference log-probs of the last ``logits_to_keep`` tokens, 0 at padding (as TRL)."""
+        scorer = self.accelerator.unwrap_model(self.model)
+        batch_size = batch_size or input_ids.size(0)
+        scored = torch.zeros_like(attention_mask)
+        scored[:, -logits_to_keep:] = 1
+        pieces = []
+        with _reference_pass(self, scorer):  # TRL's use_adapter around this call already chose the adapters
+            for start in range(0, input_ids.size(0), batch_size):
+                rows = slice(start, start + batch_size)
+                logps = token_logprobs(scorer, input_ids[rows], attention_mask[rows], scored[rows],
+                                       chunk_tokens=self.ref_chunk_tokens, temperature=self.temperature)
+                pieces.append(logps[:, -logits_to_keep:])
+        return torch.cat(pieces, dim=0)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL 1.16 internal; the reference call is answered here, every other one by TRL (module docstring)."""
+        if not self._ts_is_reference_call(model, compute_entropy, compute_aux_loss, extra):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        return self._ts_reference_token_logps(input_ids, attention_mask, logits_to_keep, batch_size), None, None
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        _synchronize_engines(self.accelerator.unwrap_model(model))  # before TRL generates (module docstring)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        _log(self, logs)
         super().log(logs, *args, **kwargs)
