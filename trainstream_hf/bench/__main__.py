@@ -1,7 +1,9 @@
 """python -m trainstream_hf.bench <suite> [--quick] [--out DIR]: markdown on stdout, JSON to DIR.
 
 Suites: micro (foundation micro-benchmarks); peers (PEFT, bitsandbytes, torch, DeepSpeed training steps);
-engine (the peers plus trainstream.wrap under the same VRAM budget, in one run).
+engine (the peers plus trainstream.wrap under the same VRAM budget, in one run); quant (QuantLinear per format
+beside bf16 nn.Linear and bitsandbytes NF4 on one block's linear layers, and dequantize bandwidth); sqnr
+(quantization SQNR of a real pretrained model's linear layers, on the CPU).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from trainstream_hf.bench import common
 
-SUITES = ("micro", "peers", "engine")
+SUITES = ("micro", "peers", "engine", "quant", "sqnr")
 
 
 def main(argv=None) -> None:
@@ -21,19 +23,22 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
     parser.add_argument("--out", default=None, help=f"JSON directory (default {common.RESULTS_DIR})")
     parser.add_argument("--name", default=None, help="JSON file name without .json")
-    peers = parser.add_argument_group("peers suite")
+    peers = parser.add_argument_group("peers, engine and quant suites")
     peers.add_argument("--shape", default=None,
-                       help="LoRA/QLoRA model shape (default llama3-8b; tiny if --quick)")
+                       help="LoRA/QLoRA model shape; quant: the block whose linear layers are timed "
+                            "(default llama3-8b; tiny if --quick)")
     peers.add_argument("--full-shape", default=None,
                        help="full fine-tune model shape (default llama3.2-3b; tiny if --quick)")
     peers.add_argument("--batch", type=int, default=1, help="sequences per step")
-    peers.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; 64 if --quick)")
+    peers.add_argument("--seq", type=int, default=None,
+                       help="tokens per sequence (default 2048; 64 if --quick or --shape tiny)")
     peers.add_argument("--warmup", type=int, default=None, help="untimed steps per peer (default 3; 1 if --quick)")
     peers.add_argument("--repeats", type=int, default=None, help="timed steps per peer (default 10; 3 if --quick)")
     peers.add_argument("--vram-budget-gib", type=float, default=24.0,
                        help="allocator cap for the DeepSpeed offload rows (0: none)")
     peers.add_argument("--peers", default=None, help="comma-separated subset of: bandwidth,peft,peft_ckpt,"
-                       "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all)")
+                       "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); quant: bf16,bnb_nf4,int8,nf4,fp8,"
+                       "fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant")
     args = parser.parse_args(argv)
     if args.suite == "micro":
         from trainstream_hf.bench import micro
@@ -49,9 +54,17 @@ def main(argv=None) -> None:
             quick=args.quick, shape=args.shape, full_shape=args.full_shape, batch=args.batch, seq=args.seq,
             warmup=args.warmup, repeats=args.repeats, vram_budget_gib=args.vram_budget_gib,
             peers=args.peers.split(",") if args.peers else None, extra_jobs=extra, suite=args.suite)
+    elif args.suite == "quant":
+        from trainstream_hf.bench import quant
+        payload, md = quant.run(shape=args.shape, seq=args.seq, warmup=args.warmup, repeats=args.repeats,
+                                rows=args.peers.split(",") if args.peers else None, quick=args.quick)
+    elif args.suite == "sqnr":
+        from trainstream_hf.bench import sqnr
+        payload, md = sqnr.run()
     where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
-        if torch.cuda.is_available() else "cpu"
-    name = args.name or f"{args.suite}-{where}{'-quick' if args.quick else ''}"
+        if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
+    suite = "sqnr-minilm" if args.suite == "sqnr" else args.suite
+    name = args.name or f"{suite}-{where}{'-quick' if args.quick else ''}"
     path = common.write_json(name, payload, args.out)
     print(md)
     print(f"\nJSON: {path}")

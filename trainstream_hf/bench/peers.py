@@ -121,24 +121,36 @@ def quantize_linears_nf4_(model, device: torch.device, compute_dtype: torch.dtyp
     Returns:
         The number of layers replaced.
     """
-    import bitsandbytes as bnb
-
     head = model.get_output_embeddings()
     targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
     for qualname in targets:
         old = model.get_submodule(qualname)
-        new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
-                                compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-                                quant_storage=torch.uint8, device="meta")
-        new.weight = bnb.nn.Params4bit(old.weight.data, requires_grad=False, compress_statistics=True,
-                                       quant_type="nf4", quant_storage=torch.uint8, module=new).to(device)
-        if old.bias is not None:
-            new.bias = torch.nn.Parameter(old.bias.data, requires_grad=False)
+        new = nf4_linear(old, device, compute_dtype)
         parent, _, child = qualname.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         del old
     model.is_loaded_in_4bit = True
     return len(targets)
+
+
+def nf4_linear(linear: torch.nn.Linear, device: torch.device,
+               compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A frozen bitsandbytes NF4 ``Linear4bit`` of ``linear`` (blocksize 64, double quant), on ``device``.
+
+    The settings of ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)``; quantization happens when the
+    ``Params4bit`` moves to ``device`` (CUDA). ``linear``'s bias tensor is shared, frozen.
+    """
+    import bitsandbytes as bnb
+
+    new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                            compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                            quant_storage=torch.uint8, device="meta")
+    new.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
+                                   quant_type="nf4", quant_storage=torch.uint8, module=new).to(device)
+    if linear.bias is not None:
+        new.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+    return new
 
 
 def bnb_qlora(shape: str = "llama3-8b", grad_ckpt: bool = False, *, batch: int = 1, seq: int = 2048,
