@@ -23,5 +23,14 @@ def plan(model, batch_shape, **options) -> Plan:
                         slots=cfg.slots, prefetch=cfg.prefetch, min_offload_numel=cfg.min_offload_numel)
 
 
+def __getattr__(name: str):
+    # The KV cache subclasses transformers' Cache: import transformers only when it is asked for, so that
+    # `import trainstream_hf` stays light for plain-PyTorch users.
+    if name in ("PagedKVCache", "TrainStreamCache"):
+        from trainstream_hf import cache
+        return getattr(cache, name)
+    raise AttributeError(f"module 'trainstream_hf' has no attribute {name!r}")
+
+
 __all__ = ["wrap", "unwrap", "plan", "engine_of", "quantize_model", "QuantLinear", "TrainStreamConfig", "Plan",
-           "BudgetError", "__version__"]
+           "BudgetError", "PagedKVCache", "TrainStreamCache", "__version__"]

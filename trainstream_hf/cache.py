@@ -1,0 +1,433 @@
+"""A transformers ``Cache`` whose K/V lives partly in host pages, streamed back while earlier layers compute.
+
+Decoding with a long context is bound by the KV cache, not the weights: ``2 * layers * tokens * kv_heads *
+head_dim`` elements per sequence. :class:`PagedKVCache` (alias :class:`TrainStreamCache`) keeps a chosen
+share of the attention layers *resident* on the compute device and the rest *offloaded*: their K/V live
+on the host (pinned, from :class:`~trainstream_hf.engine.arena.HostArena`, on CUDA) and visit the device
+in a ring of ``slots`` preallocated buffers, exactly like the weight pager's blocks.
+
+Schedule, for each ``update(key_states, value_states, layer_idx)`` (``P`` = ``prefetch``):
+
+* layer ``i`` offloaded: the compute stream waits (event, no host sync) for the copy of ``i``'s K/V into
+  its slot, issued ``P`` offloaded layers ago (or now, on a miss); the new tokens are written into the slot
+  and sent to the host copy on the D2H stream;
+* then, for any layer, the next ``P`` offloaded layers in cyclic order are copied into free slots on the
+  H2D stream. Cyclic: the last layers of step ``t`` prefetch the first ones of step ``t + 1``, behind the
+  LM head and sampling.
+
+Guards: a copy into a slot waits for all work queued on the compute stream (every attention kernel that
+read the slot's previous occupant has been enqueued: layers run in order) and for the last D2H copy (which
+may still read the slot, or still be writing the host pages the copy reads). Host pages are released only
+after a host synchronisation, which happens on growth, ``reorder_cache`` and ``close`` only.
+
+Layout: every buffer is token-major, ``[capacity, batch, heads, head_dim]``, so the first ``L`` tokens of
+a layer are one contiguous block (one ``cudaMemcpyAsync``, no staging) and appending is a plain slice
+write. ``update`` returns a ``[batch, heads, L, head_dim]`` permuted view of it (no copy). Capacity is
+preallocated (``max_cache_len``) and grows in chunks of ``chunk`` tokens, so decoding allocates nothing
+per token. Sliding-window layers keep their whole history but return (and copy) only the window, exactly
+as ``DynamicSlidingWindowLayer`` does, so outputs match ``DynamicCache`` bit for bit.
+
+On a CPU compute device the same code runs with plain CPU tensors and synchronous copies (CI).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
+
+from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.streams import Transfer, TransferStreams
+
+__all__ = ["PagedKVCache", "TrainStreamCache"]
+
+_SLIDING = ("sliding_attention", "chunked_attention")  # same cache behaviour; only the mask differs
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One attention layer's K/V: token-major buffers on the device (resident) or the host (offloaded)."""
+
+    is_compileable = False  # generate() must not compile or build static 4D masks for us
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, resident: bool, sliding_window: int | None = None):
+        super().__init__()
+        self.resident = resident
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.length = 0
+        self.k: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
+        self.v: torch.Tensor | None = None
+
+    def start(self) -> int:
+        """First cached token the next query sees (the window start for sliding layers)."""
+        return max(0, self.length - self.sliding_window + 1) if self.is_sliding else 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise RuntimeError("PagedKVCache layers are initialised by the cache's update()")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("PagedKVCache layers are updated through PagedKVCache.update(..., layer_idx)")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        start = self.start()
+        return self.length - start + query_length, start
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows in chunks
+
+
+class PagedKVCache(Cache):
+    """KV cache with resident layers on the compute device and offloaded ones in host pages.
+
+    Args:
+        model: a transformers causal LM (or its config). Its decoder layer types decide each cache layer:
+            full attention, sliding / chunked attention, or none (KV-sharing and MLP-only layers).
+        resident: fraction in [0, 1] of the attention layers whose K/V stays on the device (rounded down;
+            for layers of one shape, the fraction of the KV bytes held on the device besides the slots).
+            The offloaded layers are spread evenly over the depth so that each copy overlaps several
+            layers of compute. Layers whose K/V other layers reuse (KV sharing) are always resident.
+        resident_layers: the number of resident layers instead of a fraction.
+        max_cache_len: tokens preallocated per sequence (prompt + new tokens); more grow in ``chunk`` s,
+            each growth a host synchronisation and a copy. Default: the first prompt, rounded up.
+        chunk: growth granularity in tokens.
+        slots: device buffers for offloaded layers (``>= prefetch + 1``), each sized for one layer.
+        prefetch: offloaded layers copied ahead of their use.
+        arena: host arena for the pages (default: a pinned arena of the cache's own on CUDA, plain CPU
+            tensors on the CPU).
+        streams: transfer streams of the compute device (default: the cache's own).
+
+    Raises:
+        ValueError: no decoder layers, an unsupported layer type (linear attention, encoder-decoder), or
+            a bad ``resident`` / ``slots`` / ``prefetch`` / ``chunk``.
+    """
+
+    def __init__(self, model, *, resident: float = 0.0, resident_layers: int | None = None,
+                 max_cache_len: int | None = None, chunk: int = 256, slots: int = 2, prefetch: int = 1,
+                 arena: HostArena | None = None, streams: TransferStreams | None = None):
+        config = model if isinstance(model, PreTrainedConfig) else getattr(model, "config", None)
+        if not isinstance(config, PreTrainedConfig):
+            raise ValueError(f"PagedKVCache: {type(model).__name__} is not a transformers model or config")
+        if config.is_encoder_decoder:
+            raise ValueError("PagedKVCache: encoder-decoder models are not supported (decoder-only LMs only)")
+        text = config.get_text_config(decoder=True)
+        try:
+            types, kwargs = get_layer_types_and_kwargs(text)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"PagedKVCache: cannot read the decoder layers of {type(config).__name__}: {e}") from e
+        bad = sorted({t for t in types if t not in ("full_attention", "dummy", *_SLIDING)})
+        if bad:
+            raise ValueError(f"PagedKVCache: layer types {bad} are not supported (full, sliding and chunked "
+                             "attention are); use DynamicCache for this model")
+        attn = [i for i, t in enumerate(types) if t != "dummy"]
+        if not attn:
+            raise ValueError(f"PagedKVCache: {type(config).__name__} has no attention layers to cache")
+        n_res = _resident_count(resident, resident_layers, len(attn))
+        # KV-sharing producers (Gemma 4) hand their returned K/V to later layers of the same forward: a
+        # slot could be overwritten before those read it, so they stay resident.
+        modes = getattr(text, "kv_sharing_modes", None) or [None] * len(types)
+        movable = [i for i in attn if modes[i] != "store"]
+        m = min(len(attn) - n_res, len(movable))
+        offloaded = [movable[(k + 1) * len(movable) // m - 1] for k in range(m)]  # evenly spread
+        if slots < 1 or not 0 <= prefetch <= slots - 1:
+            raise ValueError(f"PagedKVCache: need slots >= 1 and 0 <= prefetch <= slots - 1 (a prefetched layer "
+                             f"needs a slot besides the running one), got slots={slots}, prefetch={prefetch}")
+        if chunk < 1 or (max_cache_len is not None and max_cache_len < 1):
+            raise ValueError(f"PagedKVCache: chunk and max_cache_len must be >= 1, got {chunk}, {max_cache_len}")
+        layers = [DummyLayer() if t == "dummy" else
+                  _PagedLayer(i not in offloaded, kw.get("sliding_window") if t in _SLIDING else None)
+                  for i, (t, kw) in enumerate(zip(types, kwargs))]
+        super().__init__(layers=layers)
+        self.offloaded_layers = offloaded
+        self.num_slots, self.num_prefetch, self.chunk, self.max_cache_len = slots, prefetch, chunk, max_cache_len
+        self._arena, self._own_arena = arena, arena is None
+        self._streams, self._own_streams = streams, streams is None
+        self._device: torch.device | None = None
+        self._dtype: torch.dtype | None = None
+        self._batch = 0
+        self.capacity = 0
+        self._slot_k: list[torch.Tensor] = []  # flat device buffers, typed views per occupant
+        self._slot_v: list[torch.Tensor] = []
+        self._occupant: list[int | None] = []
+        self._slot_of: dict[int, int] = {}
+        self._pending: dict[int, Transfer] = {}  # copies issued, not yet waited on by the compute stream
+        self._d2h_event = None  # last D2H copy; FIFO stream, so it covers all earlier ones
+        self._stats = dict(h2d_bytes=0, d2h_bytes=0, loads_ahead=0, loads_on_demand=0, growths=0)
+
+    # -- transformers Cache API -------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Appends the new tokens' K/V of ``layer_idx`` and returns the K/V its attention sees.
+
+        Returns:
+            ``(keys, values)`` as ``[batch, kv_heads, visible, head_dim]`` views of device buffers, valid
+            until the next ``update`` of the same layer.
+        """
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, _PagedLayer):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            raise ValueError("PagedKVCache stores K/V without autograd history; run generation under "
+                             "torch.no_grad() (generate() does), or use DynamicCache to backpropagate")
+        self._check_input(key_states, value_states)
+        if not layer.is_initialized:
+            self._init_layer(layer, key_states, value_states)
+        q, n = key_states.shape[-2], layer.length
+        if n + q > self.capacity:
+            self._grow(n + q)
+        with torch.no_grad():
+            k, v = (layer.k, layer.v) if layer.resident else self._acquire(layer_idx)
+            k[n:n + q].copy_(key_states.permute(2, 0, 1, 3))
+            v[n:n + q].copy_(value_states.permute(2, 0, 1, 3))
+            if not layer.resident:  # the host pages stay the truth: slots are only borrowed
+                self._streams.to_host(k[n:n + q], layer.k[n:n + q])
+                self._d2h_event = self._streams.to_host(v[n:n + q], layer.v[n:n + q]).event
+                self._stats["d2h_bytes"] += _nbytes(k[n:n + q]) + _nbytes(v[n:n + q])
+            s = layer.start()  # from the past length, as get_mask_sizes saw it
+            layer.length = n + q
+            self._prefetch_after(layer_idx)
+        return k[s:n + q].permute(1, 2, 0, 3), v[s:n + q].permute(1, 2, 0, 3)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens (a negative int, as ``DynamicCache.crop`` wants)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"PagedKVCache.crop: pass a negative number of tokens to remove, got {tokens_to_remove}")
+        for layer in self._paged():
+            layer.length = max(0, layer.length + tokens_to_remove)
+        self._invalidate()  # a sliding window may now start before what a slot holds
+
+    def reset(self) -> None:
+        """Empties the cache, keeping its buffers for the next generation."""
+        for layer in self._paged():
+            layer.length = 0
+        self._invalidate()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorders the batch for beam search. Synchronises the host once (the host pages are reordered)."""
+        self._sync()
+        with torch.no_grad():
+            for layer in self._paged():
+                if layer.is_initialized and layer.length:
+                    idx = beam_idx.to(layer.k.device)
+                    for buf in (layer.k, layer.v):
+                        buf[:layer.length].copy_(buf[:layer.length].index_select(1, idx))
+        self._invalidate()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PagedKVCache: the batch size is fixed for a generation; expand the inputs "
+                                  "before the first forward instead")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PagedKVCache: the batch size is fixed for a generation (no batch_select_indices)")
+
+    # -- public extras ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Cumulative H2D / D2H bytes, offloaded-layer copies issued ahead of use and on demand (stalls),
+        and capacity growths."""
+        return dict(self._stats)
+
+    def memory(self) -> dict:
+        """Bytes held now: ``device`` (resident layers + slots) and ``host`` (offloaded pages)."""
+        dev = sum(_nbytes(t) for t in self._slot_k + self._slot_v)
+        host = 0
+        for layer in self._paged():
+            if layer.is_initialized:
+                b = _nbytes(layer.k) + _nbytes(layer.v)
+                dev, host = (dev + b, host) if layer.resident else (dev, host + b)
+        return {"device": dev, "host": host, "capacity": self.capacity}
+
+    def close(self) -> None:
+        """Releases every buffer (after the copies in flight) and the cache's own arena. The cache can be
+        used again afterwards, as a new one."""
+        self._sync()
+        for layer in self._paged():
+            layer.k = layer.v = None
+            layer.length, layer.is_initialized = 0, False
+        self._slot_k, self._slot_v, self._occupant = [], [], []
+        self._slot_of.clear()
+        self._pending.clear()
+        self._d2h_event = None
+        if self._own_arena and self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self._own_streams:
+            self._streams = None
+        self._device, self._dtype, self._batch, self.capacity = None, None, 0, 0
+
+    # -- set-up and growth ------------------------------------------------------------------------
+    def _paged(self) -> list[_PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, _PagedLayer)]
+
+    def _check_input(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.dtype != v.dtype:
+            raise ValueError(f"PagedKVCache.update: expected key/value [batch, heads, tokens, head_dim] of one "
+                             f"dtype, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+        if self._device is not None and k.shape[0] != self._batch:
+            if any(layer.length for layer in self._paged()):
+                raise ValueError(f"PagedKVCache: batch size changed mid-generation ({self._batch} -> {k.shape[0]}); "
+                                 "call cache.reset() (or use a new cache) for a new batch")
+            self.close()  # empty: start over with the new batch size
+        if self._device is not None and (k.device != self._device or k.dtype != self._dtype):
+            raise ValueError(f"PagedKVCache: K/V moved from {self._device} {self._dtype} to {k.device} {k.dtype} "
+                             "mid-generation; call cache.close() first")
+        if self._device is None:
+            self._device, self._dtype, self._batch = k.device, k.dtype, k.shape[0]
+            if self._streams is None:
+                self._streams = TransferStreams(k.device)
+            if self._streams.device != k.device:
+                raise ValueError(f"PagedKVCache: streams are for {self._streams.device}, K/V are on {k.device}")
+            q, want = k.shape[-2], self.max_cache_len or 0
+            self.capacity = want if want >= q else _round_up(q, self.chunk)
+
+    def _init_layer(self, layer: _PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not layer.resident and self._arena is None and self._device.type == "cuda":
+            # One slab sized for every offloaded layer like this one: pinning is slow, pin once.
+            per_layer = self.capacity * (k[:, :, 0].numel() + v[:, :, 0].numel()) * k.element_size()
+            self._arena = HostArena("auto", slab_bytes=_round_up(per_layer * len(self.offloaded_layers), 1 << 20))
+        layer.k = self._alloc(layer.resident, self.capacity, k)
+        layer.v = self._alloc(layer.resident, self.capacity, v)
+        layer.batch_size, layer.length, layer.is_initialized = k.shape[0], 0, True
+        if not layer.resident and (not self._slot_k or self._slot_k[0].numel() < layer.k.numel()
+                                   or self._slot_v[0].numel() < layer.v.numel()):
+            self._alloc_slots()  # first offloaded layer, or a wider one (prefill only)
+
+    @torch.inference_mode(False)  # buffers outlive a generate() under inference_mode: keep them normal
+    def _alloc(self, resident: bool, capacity: int, like: torch.Tensor) -> torch.Tensor:
+        shape = (capacity, like.shape[0], like.shape[1], like.shape[3])
+        if resident:
+            return torch.empty(shape, dtype=like.dtype, device=self._device)
+        if self._arena is not None:
+            return self._arena.empty(shape, like.dtype)
+        return torch.empty(shape, dtype=like.dtype)
+
+    @torch.inference_mode(False)
+    def _alloc_slots(self) -> None:
+        if self._slot_k:
+            self._sync()  # in-flight copies use the slots being replaced
+        off = [self.layers[j] for j in self.offloaded_layers if self.layers[j].is_initialized]
+        nk = max(layer.k.numel() for layer in off)
+        nv = max(layer.v.numel() for layer in off)
+        self._slot_k = [torch.empty(nk, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
+        self._slot_v = [torch.empty(nv, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
+        self._occupant = [None] * self.num_slots
+        self._slot_of.clear()
+        self._pending.clear()
+
+    def _grow(self, need: int) -> None:
+        """Reallocates every buffer at the next multiple of ``chunk`` holding ``need`` tokens."""
+        self._sync()  # copies in flight read or write the pages being replaced
+        self.capacity = _round_up(need, self.chunk)
+        with torch.no_grad():
+            for layer in self._paged():
+                if layer.is_initialized:
+                    # One buffer at a time, so the arena can reuse each freed block for the next.
+                    for name in ("k", "v"):
+                        old = getattr(layer, name)
+                        new = self._alloc(layer.resident, self.capacity, old.permute(1, 2, 0, 3))
+                        new[:layer.length].copy_(old[:layer.length])
+                        setattr(layer, name, new)
+                        del old
+        if self._slot_k:
+            self._alloc_slots()
+        self._stats["growths"] += 1
+
+    def _sync(self) -> None:
+        """Host sync: every copy issued on the H2D / D2H streams is done (so pages may be touched or freed)."""
+        if self._streams is not None:
+            self._streams.synchronize()
+
+    # -- slots ------------------------------------------------------------------------------------
+    def _views(self, slot: int, layer: _PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._slot_k[slot][:layer.k.numel()].view(layer.k.shape)
+        v = self._slot_v[slot][:layer.v.numel()].view(layer.v.shape)
+        return k, v
+
+    def _acquire(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s slot views, its copy waited for on the compute stream (no host sync)."""
+        if i not in self._slot_of:
+            if self._load(i, current=i, protect={i}):
+                self._stats["loads_on_demand"] += 1
+        transfer = self._pending.pop(i, None)
+        if transfer is not None:
+            transfer.wait()
+        return self._views(self._slot_of[i], self.layers[i])
+
+    def _prefetch_after(self, i: int) -> None:
+        off = self.offloaded_layers
+        if not off or not self.num_prefetch:
+            return
+        pos = bisect.bisect_right(off, i)
+        targets = [j for j in off[pos:] + off[:pos] if j != i and self.layers[j].is_initialized][:self.num_prefetch]
+        protect = {i, *targets}
+        for j in targets:
+            if j not in self._slot_of and self._load(j, current=i, protect=protect):
+                self._stats["loads_ahead"] += 1
+
+    def _load(self, j: int, *, current: int, protect: set) -> bool:
+        """Gives layer ``j`` a slot and issues the copy of its visible tokens; True if bytes moved."""
+        free = [s for s, o in enumerate(self._occupant) if o is None]
+        if free:
+            slot = free[0]
+        else:
+            victims = [s for s, o in enumerate(self._occupant) if o not in protect]
+            if not victims:
+                raise RuntimeError(f"PagedKVCache: all {self.num_slots} slots hold layers in use; raise slots")
+            # Evict the occupant needed last: the one furthest ahead in cyclic layer order.
+            slot = max(victims, key=lambda s: (self._occupant[s] - current) % len(self.layers))
+            victim = self._occupant[slot]
+            del self._slot_of[victim]
+            self._pending.pop(victim, None)  # a later copy into the slot queues behind it on the H2D stream
+        self._occupant[slot], self._slot_of[j] = j, slot
+        layer = self.layers[j]
+        s, n = layer.start(), layer.length
+        if n <= s:
+            return False
+        if self._streams.is_cuda and self._d2h_event is not None:
+            # The slot's previous occupant may still be read by its D2H copy, and j's pages still written.
+            self._streams.h2d.wait_event(self._d2h_event)
+        k, v = self._views(slot, layer)
+        # after=None: the copy also waits for all work queued on the compute stream (the slot's last readers).
+        self._streams.to_device(layer.k[s:n], out=k[s:n])
+        self._pending[j] = self._streams.to_device(layer.v[s:n], out=v[s:n])  # FIFO: covers the K copy
+        self._stats["h2d_bytes"] += _nbytes(k[s:n]) + _nbytes(v[s:n])
+        return True
+
+    def _invalidate(self) -> None:
+        """Forgets what the slots hold (their contents are re-copied on next use)."""
+        self._occupant = [None] * len(self._slot_k)
+        self._slot_of.clear()
+        self._pending.clear()
+
+    def __repr__(self) -> str:
+        n = len(self._paged())
+        return (f"{type(self).__name__}(layers={n}, offloaded={len(self.offloaded_layers)}, slots={self.num_slots}, "
+                f"prefetch={self.num_prefetch}, capacity={self.capacity})")
+
+
+TrainStreamCache = PagedKVCache
+
+
+def _resident_count(resident: float, resident_layers: int | None, n: int) -> int:
+    if resident_layers is not None:
+        if resident != 0.0:
+            raise ValueError("PagedKVCache: pass resident (a fraction) or resident_layers (a count), not both")
+        if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or not 0 <= resident_layers <= n:
+            raise ValueError(f"PagedKVCache: resident_layers must be an int in [0, {n}], got {resident_layers!r}")
+        return resident_layers
+    if isinstance(resident, bool) or not isinstance(resident, (int, float)) or not 0.0 <= resident <= 1.0:
+        raise ValueError(f"PagedKVCache: resident must be a fraction in [0, 1] of the {n} attention layers, "
+                         f"got {resident!r} (use resident_layers=k for a count)")
+    return math.floor(resident * n + 1e-9)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
