@@ -211,6 +211,20 @@ def test_host_grads_hold_fewer_bytes_on_the_device():
     assert _plan(model, offload_optimizer=False, grads="host").grads == "device"
 
 
+def test_paged_trainable_weights_plan_host_grads():
+    # wrap() sends a paged trainable weight's gradient to its host master, so the plan counts host gradients
+    # even when device gradients would have fitted before paging.
+    model = _llama()
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, page_weights=True)
+    pl = _plan(model, **kw)
+    assert pl.paged_blocks and pl.grads == "host"
+    assert pl.grad_bytes == _plan(model, grads="host", **kw).grad_bytes
+    # A frozen paged base (LoRA) has no such gradients: device gradients stay.
+    for p in model.model.layers.parameters():
+        p.requires_grad_(False)
+    assert _plan(model, **kw).grads == "device"
+
+
 @pytest.mark.parametrize("slots,prefetch", [(2, 2), (1, 1), (2, 3)])
 def test_prefetch_must_be_below_slots(slots, prefetch):
     with pytest.raises(ValueError, match="prefetch"):

@@ -452,6 +452,12 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             if page_weights == "auto" and pl.fits():
                 break
             b.weights = "host"
+    # wrap() sends the gradients of paged trainable weights straight into their host masters (the weight is
+    # not on the device after its block has run), so the plan must count host gradients, not device ones.
+    if pl.offload_optimizer and pl.grads == "device" and any(
+            p.requires_grad and p.numel() >= min_offload_numel
+            for b in block_plans if b.weights == "host" for p in blocks[b.index].parameters()):
+        settle(True, True)
     if not pl.fits():
         raise BudgetError(
             f"vram_budget {budget / GiB:.2f} GiB is below the minimum this model needs with every block's "
