@@ -36,6 +36,14 @@ TORCH_LIBRARY(trainstream, m) {
   // NVFP4: E2M1 codes, E4M3 scale per 16 weights along in_features, fp32 per-tensor scale.
   m.def("quantize_nvfp4(Tensor weight) -> (Tensor data, Tensor block_scale, Tensor tensor_scale)");
   m.def("dequantize_nvfp4(Tensor data, Tensor block_scale, Tensor tensor_scale, ScalarType dtype) -> Tensor");
+  // int8 / FP8 (E4M3): codes (out_features, in_features) and one float32 scale per output row.
+  m.def("dequantize_int8(Tensor data, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("dequantize_fp8(Tensor data, Tensor scale, ScalarType dtype) -> Tensor");
+
+  // Per-row E4M3 activation quantizer of the FP8 matmul path (trainstream_hf/quant/matmul.py): x (tokens, features)
+  // float32 / bfloat16 / float16, times the optional per-feature float32 col_scale, -> float8_e4m3fn codes and the
+  // float32 (tokens, 1) row scale max|row| / 448 (torch._scaled_mm's row-wise scale_a).
+  m.def("quantize_rows_e4m3(Tensor x, Tensor? col_scale) -> (Tensor q, Tensor row_scale)");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -16,13 +16,25 @@ __all__ = [
     "adamw_step_", "adamw_step_reference", "built_with_cuda",
     "quantize_nf4", "dequantize_nf4", "quantize_nf4_reference", "dequantize_nf4_reference",
     "quantize_nvfp4", "dequantize_nvfp4", "quantize_nvfp4_reference", "dequantize_nvfp4_reference",
-    "quantize_int8_reference", "dequantize_int8_reference", "quantize_fp8_reference", "dequantize_fp8_reference",
+    "dequantize_int8", "dequantize_fp8", "quantize_int8_reference", "dequantize_int8_reference",
+    "quantize_fp8_reference", "dequantize_fp8_reference",
+    "quantize_rows_e4m3", "quantize_rows_e4m3_reference", "has_kernel",
 ]
 
 
 def built_with_cuda() -> bool:
     """True when the native extension was compiled with CUDA support."""
     return bool(_C.built_with_cuda())
+
+
+def has_kernel(op: str, device: torch.device | str) -> bool:
+    """True when ``torch.ops.trainstream.<op>`` has a kernel for ``device``'s type (CPU always; CUDA in a CUDA build).
+
+    torch has no public "is there a kernel for this op on this device" query; this private one has been stable since
+    torch 1.10. Callers use it to fall back to the ``<op>_reference`` where a build has no kernel for the device.
+    """
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"trainstream::{op}", key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,8 +110,9 @@ def adamw_step_reference(param, exp_avg, exp_avg_sq, grad, *, lr, beta1=0.9, bet
 # --------------------------------------------------------------------------------------------
 # Frozen-weight formats (layouts: trainstream_hf/quant/formats.py)
 #
-# NF4 and NVFP4 pack bits, so they have native kernels (csrc/cpu/quant.cpp) that equal these references bit for
-# bit. int8 and FP8 are a scale and a cast: the references below are the implementation on every device.
+# NF4 and NVFP4 pack bits, so they have native quantize and dequantize kernels (csrc/cpu/quant.cpp, csrc/cuda/quant.cu)
+# that equal these references bit for bit. int8 and FP8 have native dequantize kernels (the hot path: one fused pass
+# instead of a convert kernel plus a multiply); their quantizers are the references on every device.
 # --------------------------------------------------------------------------------------------
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -370,8 +383,56 @@ def dequantize_nvfp4_reference(data, block_scale, tensor_scale, dtype=torch.bflo
 
 
 # --------------------------------------------------------------------------------------------
-# int8 and FP8 (reference only: a scale and a cast, already one vectorised torch op each)
+# int8 and FP8: native dequantize, reference quantize
 # --------------------------------------------------------------------------------------------
+
+def dequantize_int8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantizes :func:`quantize_int8_reference`'s output in one fused pass (native kernel; maths:
+    :func:`dequantize_int8_reference`, bit for bit).
+
+    Args:
+        data: int8 (out_features, in_features) codes.
+        scale: float32 (out_features,) per-row scales.
+        dtype: float32, bfloat16 or float16.
+
+    Returns:
+        (out_features, in_features) ``dtype``: ``dtype(float(data) * scale[:, None])``.
+    """
+    return torch.ops.trainstream.dequantize_int8.default(data, scale, dtype)
+
+
+def _dequantize_rowwise_fake(op, data, scale, dtype, code_dtype):
+    torch._check(data.dim() == 2 and data.dtype == code_dtype, lambda: f"{op}: data must be 2-D {code_dtype}")
+    torch._check(scale.dtype == torch.float32 and scale.dim() == 1 and scale.shape[0] == data.shape[0],
+                 lambda: f"{op}: scale must be float32 (out_features,)")
+    torch._check(dtype in WEIGHT_DTYPES, lambda: f"{op}: unsupported dtype {dtype}")
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+@torch.library.register_fake("trainstream::dequantize_int8")
+def _dequantize_int8_fake(data, scale, dtype):
+    return _dequantize_rowwise_fake("dequantize_int8", data, scale, dtype, torch.int8)
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantizes :func:`quantize_fp8_reference`'s output in one fused pass (native kernel; maths:
+    :func:`dequantize_fp8_reference`, bit for bit).
+
+    Args:
+        data: float8_e4m3fn (out_features, in_features) codes.
+        scale: float32 (out_features,) per-row scales.
+        dtype: float32, bfloat16 or float16.
+
+    Returns:
+        (out_features, in_features) ``dtype``: ``dtype(float(data) * scale[:, None])``.
+    """
+    return torch.ops.trainstream.dequantize_fp8.default(data, scale, dtype)
+
+
+@torch.library.register_fake("trainstream::dequantize_fp8")
+def _dequantize_fp8_fake(data, scale, dtype):
+    return _dequantize_rowwise_fake("dequantize_fp8", data, scale, dtype, torch.float8_e4m3fn)
+
 
 def quantize_int8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row absmax int8: ``s = max |w_row| / 127``, ``q = clamp(round(w / s), -127, 127)``.
@@ -414,3 +475,53 @@ def dequantize_fp8_reference(data, scale, dtype=torch.bfloat16) -> torch.Tensor:
     """``float(q) * s`` per row, rounded once to ``dtype``."""
     _check_out_dtype("dequantize_fp8", dtype)
     return (data.float() * scale[:, None]).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# quantize_rows_e4m3 (activations of the FP8 matmul path, trainstream_hf/quant/matmul.py)
+# --------------------------------------------------------------------------------------------
+
+def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 E4M3 quantization in one fused kernel (maths: :func:`quantize_rows_e4m3_reference`, bit for bit).
+
+    The CUDA kernel runs one thread block per row (a pass for the row's amax, a pass to write the codes) and never
+    synchronises with the host.
+
+    Args:
+        x: (T, K) float32 / bfloat16 / float16, K >= 1.
+        col_scale: optional float32 (K,) multiplied into every row first (the FP8 backward folds the weight's
+            per-output-channel scale into the gradient with it).
+
+    Returns:
+        ``(q, row_scale)``: float8_e4m3fn (T, K); float32 (T, 1), the layout ``torch._scaled_mm``'s row-wise
+        ``scale_a`` takes.
+    """
+    return torch.ops.trainstream.quantize_rows_e4m3.default(x, col_scale)
+
+
+@torch.library.register_fake("trainstream::quantize_rows_e4m3")
+def _quantize_rows_e4m3_fake(x, col_scale):
+    torch._check(x.dim() == 2, lambda: "quantize_rows_e4m3: x must be 2-D (tokens, features)")
+    torch._check(x.dtype in WEIGHT_DTYPES, lambda: f"quantize_rows_e4m3: x must be float32, bfloat16 or float16, "
+                                                   f"got {x.dtype}")
+    torch._check(x.shape[1] >= 1, lambda: "quantize_rows_e4m3: x has no features")
+    if col_scale is not None:
+        torch._check(col_scale.dtype == torch.float32 and col_scale.dim() == 1 and col_scale.shape[0] == x.shape[1],
+                     lambda: "quantize_rows_e4m3: col_scale must be float32 (K,)")
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+def quantize_rows_e4m3_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch per-row E4M3 quantization; the maths :func:`quantize_rows_e4m3` reproduces bit for bit.
+
+    In float32: ``v = x * col_scale`` (one rounding; ``v = x`` without it), ``s = max|v_row| / 448``,
+    ``q = e4m3(clamp(v / s, -448, 448))`` (round to nearest even). A row of zeros gets ``s = 0`` and codes +0; a row
+    holding a NaN gets a NaN scale and NaN codes. Without ``col_scale`` this is :func:`quantize_fp8_reference`
+    applied to activations (scale kept (T, 1)), minus its finiteness check (a host sync).
+    """
+    v = x.float()
+    if col_scale is not None:
+        v = v * col_scale
+    s = v.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    return _safe_div(v, s.expand_as(v)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s

@@ -1,4 +1,5 @@
-// CPU kernels for the bit-packing weight formats: NF4 and NVFP4 quantize / dequantize.
+// CPU kernels for the weight formats (NF4 and NVFP4 quantize / dequantize; int8 and FP8 dequantize) and the per-row
+// E4M3 activation quantizer of the FP8 matmul path.
 //
 // The maths is defined by the pure-PyTorch references in trainstream_hf/ops.py (quantize_nf4_reference, ...),
 // which these kernels equal bit for bit (tests/quant/test_formats.py checks with torch.equal). Every rounding
@@ -8,12 +9,14 @@
 //
 // NF4: QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023, arXiv:2305.14314).
 // NVFP4: NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference" (2025).
+// FP8 E4M3: OCP 8-bit Floating Point Specification (OFP8) rev. 1.0, 2023; torch.float8_e4m3fn.
 // Layouts are documented in trainstream_hf/quant/formats.py.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -328,11 +331,110 @@ at::Tensor dequantize_nvfp4_cpu(const at::Tensor& data, const at::Tensor& block_
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// int8 / FP8 dequantize: w[n, k] = T(float(data[n, k]) * scale[n]), one float32 multiply and one rounding to T, as
+// dequantize_int8_reference / dequantize_fp8_reference compute it.
+
+namespace {
+
+template <typename Code>
+at::Tensor dequantize_rowwise_cpu(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype,
+                                  const char* op, at::ScalarType code_type) {
+  TORCH_CHECK(data.dim() == 2, op, ": data must be 2-D (out_features, in_features), got shape ", data.sizes());
+  TORCH_CHECK(data.scalar_type() == code_type, op, ": data must be ", code_type, ", got ", data.scalar_type());
+  check_out_dtype(dtype, op);
+  const int64_t rows = data.size(0), cols = data.size(1);
+  check_buffer(scale, op, "scale", at::kFloat, {rows});
+  const at::Tensor dc = data.contiguous(), sc = scale.contiguous();
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  const Code* in = reinterpret_cast<const Code*>(dc.data_ptr());
+  const float* s = sc.data_ptr<float>();
+  with_output(out, [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    parallel(rows, std::max<int64_t>(1, 65536 / cols), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float sr = s[r];
+        const Code* ir = in + r * cols;
+        T* orow = o + r * cols;
+        for (int64_t k = 0; k < cols; ++k) orow[k] = static_cast<T>(static_cast<float>(ir[k]) * sr);
+      }
+    });
+  });
+  return out;
+}
+
+// max that propagates NaN (as torch.amax does), for non-negative or NaN arguments.
+inline float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+}  // namespace
+
+at::Tensor dequantize_int8_cpu(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
+  return dequantize_rowwise_cpu<int8_t>(data, scale, dtype, "dequantize_int8", at::kChar);
+}
+
+at::Tensor dequantize_fp8_cpu(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
+  return dequantize_rowwise_cpu<c10::Float8_e4m3fn>(data, scale, dtype, "dequantize_fp8", at::kFloat8_e4m3fn);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-row E4M3 quantization (quantize_rows_e4m3_reference in trainstream_hf/ops.py): per row of v = x * col_scale
+// (float32), s = max|v| / 448, q = e4m3(clamp(v / s, -448, 448)); s == 0 gives codes +0. NaN propagates as in torch:
+// a row holding one gets a NaN scale and NaN codes.
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cpu(const at::Tensor& x,
+                                                          const std::optional<at::Tensor>& col_scale) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "quantize_rows_e4m3: x must be 2-D (tokens, features), got shape ", x.sizes());
+  const auto t = x.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+                   "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ", t);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK_VALUE(cols > 0, "quantize_rows_e4m3: x has no features (shape ", x.sizes(), ")");
+  at::Tensor cs;
+  if (col_scale.has_value()) {
+    check_buffer(*col_scale, "quantize_rows_e4m3", "col_scale", at::kFloat, {cols});
+    cs = col_scale->contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor q = at::empty({rows, cols}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor row_scale = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  if (rows == 0) return {q, row_scale};
+  const float* c = cs.defined() ? cs.data_ptr<float>() : nullptr;
+  auto* qo = q.data_ptr<c10::Float8_e4m3fn>();
+  float* so = row_scale.data_ptr<float>();
+  with_input(xc, [&](const auto* xp) {
+    parallel(rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(cols);
+      for (int64_t r = r0; r < r1; ++r) {
+        const auto* xr = xp + r * cols;
+        float m = 0.0f;
+        for (int64_t k = 0; k < cols; ++k) {
+          v[k] = c ? static_cast<float>(xr[k]) * c[k] : static_cast<float>(xr[k]);
+          m = nan_max(std::fabs(v[k]), m);
+        }
+        const float s = m / kE4m3Max;
+        so[r] = s;
+        c10::Float8_e4m3fn* qr = qo + r * cols;
+        for (int64_t k = 0; k < cols; ++k) {
+          float e = s != 0.0f ? v[k] / s : 0.0f;
+          e = e > kE4m3Max ? kE4m3Max : (e < -kE4m3Max ? -kE4m3Max : e);  // NaN stays NaN, as torch.clamp
+          qr[k] = c10::Float8_e4m3fn(e);
+        }
+      }
+    });
+  });
+  return {q, row_scale};
+}
+
 }  // namespace trainstream
+
 
 TORCH_LIBRARY_IMPL(trainstream, CPU, m) {
   m.impl("quantize_nf4", &trainstream::quantize_nf4_cpu);
   m.impl("dequantize_nf4", &trainstream::dequantize_nf4_cpu);
   m.impl("quantize_nvfp4", &trainstream::quantize_nvfp4_cpu);
   m.impl("dequantize_nvfp4", &trainstream::dequantize_nvfp4_cpu);
+  m.impl("dequantize_int8", &trainstream::dequantize_int8_cpu);
+  m.impl("dequantize_fp8", &trainstream::dequantize_fp8_cpu);
+  m.impl("quantize_rows_e4m3", &trainstream::quantize_rows_e4m3_cpu);
 }

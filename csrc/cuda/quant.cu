@@ -1,4 +1,5 @@
-// CUDA kernels for the bit-packing weight formats: NF4 and NVFP4 quantize / dequantize.
+// CUDA kernels for the weight formats (NF4 and NVFP4 quantize / dequantize; int8 and FP8 dequantize) and the
+// per-row E4M3 activation quantizer of the FP8 matmul path.
 //
 // They equal the CPU kernels (csrc/cpu/quant.cpp) and the pure-PyTorch references (trainstream_hf/ops.py) bit for
 // bit (tests/gpu/test_quant_kernels_cuda.py checks with torch.equal). How:
@@ -9,6 +10,7 @@
 //     use); their device paths round to nearest even, like the host ones, for every finite value.
 //   - Reductions are a max (order-free) or an integer sum (exact): the NF4 absmax mean is summed in int64
 //     fixed point exactly as nf4_offset() in csrc/cpu/quant.cpp, so the atomics' order cannot change a bit.
+//   - Decodes are exact: int8 -> float, E4M3 -> half (cvt.rn.f16x2.e4m3x2, sm_89+) -> float, E2M1 / NF4 tables.
 //
 // No host synchronisation: scalars that the CPU kernel reads with .item() (the NF4 absmax offset, the NVFP4
 // tensor scale) stay on the device and are read by the kernels. For the same reason the CUDA quantizers do not
@@ -17,6 +19,7 @@
 //
 // NF4: QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023, arXiv:2305.14314).
 // NVFP4: NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference" (2025).
+// FP8 E4M3: OCP 8-bit Floating Point Specification (OFP8) rev. 1.0, 2023; torch.float8_e4m3fn.
 // Layouts are documented in trainstream_hf/quant/formats.py.
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +34,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <optional>
 #include <torch/library.h>
 
 #include "../include/quant_formats.h"
@@ -384,6 +390,178 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dequant_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// int8 / FP8 dequantize: w[n, k] = T(float(code) * scale[n]), one rounding (dequantize_int8_reference / _fp8_reference).
+// One code per byte, so a 16-byte load holds 16 codes. Each thread handles kChunksPerThread chunks of 16 codes spaced
+// one warp apart (chunk (warp * kChunksPerThread + j) * 32 + lane): every load instruction reads 512 contiguous bytes
+// per warp and every store writes 16 bytes per lane (two 16-byte stores per chunk for bf16 / fp16, four for fp32), all
+// loads issued before the first use. The scale is per row and a chunk may straddle one row boundary (in_features >= 16
+// on the vector path), so each code picks the scale of its side. kVec: the codes are 16-byte aligned and
+// in_features >= 16; otherwise (a view with a storage offset, tiny rows) each thread decodes its 16 codes one by one,
+// same values. The output is fresh, hence 16-byte aligned.
+constexpr int kChunksPerThread = 2;
+
+template <bool kFp8>
+__device__ __forceinline__ float decode_code(uint8_t c) {
+  if constexpr (kFp8) {
+    return static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits()));
+  } else {
+    return static_cast<float>(static_cast<int8_t>(c));
+  }
+}
+
+// The four codes of a little-endian 32-bit word, decoded exactly (E4M3 -> half is exact: every E4M3 value is a half).
+template <bool kFp8>
+__device__ __forceinline__ void decode_word(uint32_t w, float* v) {
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * h)), __NV_E4M3);
+      v[2 * h] = __half2float(__ushort_as_half(r.x));  // the low byte is the low half
+      v[2 * h + 1] = __half2float(__ushort_as_half(r.y));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = static_cast<float>(static_cast<int8_t>((w >> (8 * i)) & 0xFFu));
+  }
+}
+
+template <typename T, bool kFp8, bool kVec>
+__global__ void __launch_bounds__(kThreads) rowwise_dequant_kernel(
+    const uint8_t* __restrict__ in, int64_t n, int64_t cols, const float* __restrict__ scale, T* __restrict__ o) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t c0 = warp * (32 * kChunksPerThread) + threadIdx.x % 32;
+  const int64_t nfull = n / 16;  // chunks of 16 codes
+  uint4 u[kChunksPerThread];
+  if constexpr (kVec) {
+#pragma unroll
+    for (int j = 0; j < kChunksPerThread; ++j) {
+      const int64_t c = c0 + 32 * j;
+      u[j] = c < nfull ? __ldg(reinterpret_cast<const uint4*>(in) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  const bool narrow = n <= 0xffffffffll;  // 32-bit division where it suffices (it is ~4x cheaper)
+#pragma unroll
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const int64_t c = c0 + 32 * j;
+    const int64_t e0 = c * 16;
+    if (e0 >= n) break;
+    if (kVec && c < nfull) {
+      float lo[8], hi[8];
+      decode_word<kFp8>(u[j].x, lo);
+      decode_word<kFp8>(u[j].y, lo + 4);
+      decode_word<kFp8>(u[j].z, hi);
+      decode_word<kFp8>(u[j].w, hi + 4);
+      const int64_t row = narrow ? static_cast<int64_t>(static_cast<uint32_t>(e0) / static_cast<uint32_t>(cols))
+                                 : e0 / cols;
+      const int64_t next = (row + 1) * cols;  // first element of the next row
+      const float s0 = __ldg(scale + row);
+      const float s1 = next < e0 + 16 ? __ldg(scale + row + 1) : s0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        lo[i] = __fmul_rn(lo[i], e0 + i < next ? s0 : s1);
+        hi[i] = __fmul_rn(hi[i], e0 + 8 + i < next ? s0 : s1);
+      }
+      store8<T>(o + e0, lo);
+      store8<T>(o + e0 + 8, hi);
+    } else {
+      const int64_t e1 = e0 + 16 < n ? e0 + 16 : n;
+      for (int64_t e = e0; e < e1; ++e) {
+        o[e] = static_cast<T>(__fmul_rn(decode_code<kFp8>(in[e]), __ldg(scale + e / cols)));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-row E4M3 quantization (quantize_rows_e4m3_reference): one block per row, a pass for the row's max |x * cs|, a
+// pass to write the codes (the row is re-read from L1 / L2, not from memory). kVec: x and col_scale 16-byte aligned and
+// in_features a multiple of 8, so each thread reads 8 elements as 16-byte vectors and writes 8 codes as one 8-byte
+// store.
+
+// max that propagates NaN, as torch.amax does (arguments are |v| >= 0 or NaN).
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+__device__ __forceinline__ float block_nan_max(float v, float* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  return v;
+}
+
+// x[0..8) as float, from 16-byte vectors (x 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load8(const T* __restrict__ x, float (&v)[8]) {
+  constexpr int kPerVec = 16 / sizeof(T);
+  const uint4* p = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+  for (int j = 0; j < 8 / kPerVec; ++j) {
+    const uint4 u = __ldg(p + j);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < kPerVec; ++i) v[j * kPerVec + i] = to_float(e[i]);
+  }
+}
+
+__device__ __forceinline__ uint32_t e4m3_code(float v, float s) {
+  float e = s != 0.0f ? __fdiv_rn(v, s) : 0.0f;  // NaN s (a NaN in the row) gives NaN codes, as the reference
+  e = e > kE4m3Max ? kE4m3Max : (e < -kE4m3Max ? -kE4m3Max : e);  // NaN stays NaN, as torch.clamp
+  return c10::Float8_e4m3fn(e).x;
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) quantize_rows_e4m3_kernel(
+    const T* __restrict__ x, int64_t cols, const float* __restrict__ col_scale, uint8_t* __restrict__ q,
+    float* __restrict__ row_scale) {
+  __shared__ float smem[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  uint8_t* qr = q + row * cols;
+  float m = 0.0f;
+  if constexpr (kVec) {
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      float v[8], cs[8];
+      load8<T>(xr + 8 * c, v);
+      if (col_scale != nullptr) load8<float>(col_scale + 8 * c, cs);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = nan_max(fabsf(col_scale != nullptr ? __fmul_rn(v[i], cs[i]) : v[i]), m);
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < cols; k += blockDim.x) {
+      const float v = to_float(xr[k]);
+      m = nan_max(fabsf(col_scale != nullptr ? __fmul_rn(v, __ldg(col_scale + k)) : v), m);
+    }
+  }
+  m = block_nan_max(m, smem);
+  const float s = __fdiv_rn(m, kE4m3Max);
+  if (threadIdx.x == 0) row_scale[row] = s;
+  if constexpr (kVec) {
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      float v[8], cs[8];
+      load8<T>(xr + 8 * c, v);
+      if (col_scale != nullptr) load8<float>(col_scale + 8 * c, cs);
+      uint32_t w[2] = {0u, 0u};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float vi = col_scale != nullptr ? __fmul_rn(v[i], cs[i]) : v[i];
+        w[i / 4] |= e4m3_code(vi, s) << (8 * (i % 4));
+      }
+      *reinterpret_cast<uint2*>(qr + 8 * c) = make_uint2(w[0], w[1]);
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < cols; k += blockDim.x) {
+      const float v = to_float(xr[k]);
+      qr[k] = static_cast<uint8_t>(e4m3_code(col_scale != nullptr ? __fmul_rn(v, __ldg(col_scale + k)) : v, s));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Host side: checks (same messages and exception types as the CPU kernels), dtype dispatch, launches.
 
 void check_weight(const at::Tensor& w, const char* op, int64_t multiple) {
@@ -570,11 +748,92 @@ at::Tensor dequantize_nvfp4_cuda(const at::Tensor& data, const at::Tensor& block
   return out;
 }
 
+namespace {
+
+template <bool kFp8>
+at::Tensor dequantize_rowwise_cuda(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype,
+                                   const char* op) {
+  const at::ScalarType code_type = kFp8 ? at::kFloat8_e4m3fn : at::kChar;
+  TORCH_CHECK(data.dim() == 2, op, ": data must be 2-D (out_features, in_features), got shape ", data.sizes());
+  TORCH_CHECK(data.scalar_type() == code_type, op, ": data must be ", code_type, ", got ", data.scalar_type());
+  check_out_dtype(dtype, op);
+  TORCH_CHECK(data.is_cuda(), op, ": data must be a CUDA tensor, got ", data.device());
+  const int64_t rows = data.size(0), cols = data.size(1);
+  check_buffer(scale, op, "scale", at::kFloat, {rows}, data.device());
+  const c10::cuda::CUDAGuard guard(data.device());
+  const at::Tensor dc = data.contiguous(), sc = scale.contiguous();
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(dtype));
+  const int64_t n = out.numel();
+  if (n == 0) return out;
+  const int64_t threads = ceil_div(ceil_div(n, 16), 32 * kChunksPerThread) * 32;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(dtype, aligned16(dc.data_ptr()) && cols >= 16, [&](auto tag, auto vec) {
+    using T = decltype(tag);
+    constexpr bool kVec = decltype(vec)::value;
+    rowwise_dequant_kernel<T, kFp8, kVec><<<grid_for(threads), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint8_t*>(dc.data_ptr()), n, cols, sc.data_ptr<float>(),
+        reinterpret_cast<T*>(out.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor dequantize_int8_cuda(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
+  return dequantize_rowwise_cuda<false>(data, scale, dtype, "dequantize_int8");
+}
+
+at::Tensor dequantize_fp8_cuda(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
+  return dequantize_rowwise_cuda<true>(data, scale, dtype, "dequantize_fp8");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cuda(const at::Tensor& x,
+                                                           const std::optional<at::Tensor>& col_scale) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "quantize_rows_e4m3: x must be 2-D (tokens, features), got shape ", x.sizes());
+  const auto t = x.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+                   "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ", t);
+  TORCH_CHECK(x.is_cuda(), "quantize_rows_e4m3: x must be a CUDA tensor, got ", x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK_VALUE(cols > 0, "quantize_rows_e4m3: x has no features (shape ", x.sizes(), ")");
+  TORCH_CHECK(rows <= 0x7fffffff, "quantize_rows_e4m3: too many rows for one launch (", rows, ")");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor cs;
+  if (col_scale.has_value()) {
+    check_buffer(*col_scale, "quantize_rows_e4m3", "col_scale", at::kFloat, {cols}, x.device());
+    cs = col_scale->contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor q = at::empty({rows, cols}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor row_scale = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  if (rows == 0) return {q, row_scale};
+  const float* c = cs.defined() ? cs.data_ptr<float>() : nullptr;
+  const bool vec = cols % 8 == 0 && aligned16(xc.data_ptr()) && (c == nullptr || aligned16(c));
+  // Enough threads for one pass over the row, in whole warps, at most kThreads.
+  const int64_t work = vec ? cols / 8 : cols;
+  const int threads = static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, ceil_div(work, 32) * 32)));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(t, vec, [&](auto tag, auto v) {
+    using T = decltype(tag);
+    constexpr bool kVec = decltype(v)::value;
+    quantize_rows_e4m3_kernel<T, kVec><<<static_cast<unsigned int>(rows), threads, 0, stream>>>(
+        reinterpret_cast<const T*>(xc.data_ptr()), cols, c, reinterpret_cast<uint8_t*>(q.data_ptr()),
+        row_scale.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {q, row_scale};
+}
+
 }  // namespace trainstream
+
 
 TORCH_LIBRARY_IMPL(trainstream, CUDA, m) {
   m.impl("quantize_nf4", &trainstream::quantize_nf4_cuda);
   m.impl("dequantize_nf4", &trainstream::dequantize_nf4_cuda);
   m.impl("quantize_nvfp4", &trainstream::quantize_nvfp4_cuda);
   m.impl("dequantize_nvfp4", &trainstream::dequantize_nvfp4_cuda);
+  m.impl("dequantize_int8", &trainstream::dequantize_int8_cuda);
+  m.impl("dequantize_fp8", &trainstream::dequantize_fp8_cuda);
+  m.impl("quantize_rows_e4m3", &trainstream::quantize_rows_e4m3_cuda);
 }

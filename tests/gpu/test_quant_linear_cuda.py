@@ -2,9 +2,10 @@
 the activation quantizers and column decoder bit for bit against the CPU; the forward (outlier selection included)
 without a host sync; quantize_model of a CPU-resident model on the GPU, one layer at a time.
 
-Written before any GPU fast path exists (the CUDA paths are today the pure-PyTorch ones of
-trainstream_hf/quant/matmul.py). When a fast path lands (torch._scaled_mm W8A8, FP4 tensor cores, fused dequantize),
-these tests hold it to the CPU numerics.
+The CUDA paths are held to the CPU numerics: fused dequantize kernels (bit-identical weights), the FP8 tensor-core
+path (torch._scaled_mm: forward within the output's rounding of the CPU emulation; its FP8 backward within E4M3
+rounding of the CPU's straight-through dx), the emulated W4A4 path. act_quant is explicit in the comparisons: its
+default depends on the device (nvfp4 is weight-only by default on GPUs without an FP4 tensor-core path).
 """
 import copy
 
@@ -23,15 +24,20 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # max |y_cuda - y_cpu| / max |y_cpu|: two float32-accumulated results (different summation orders), each rounded to
 # the activation dtype: up to one ulp apart (2^-7 bf16, 2^-10 fp16), plus accumulation-order noise in float32.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7 + 1e-4, torch.float16: 2 ** -10 + 1e-4}
+# dx of the FP8 tensor-core path against the CPU's dy @ dequantize(W): dy is rounded to E4M3 (4 significant bits) per
+# token. 0.017-0.024 measured on the CPU emulation of the same maths for these shapes; 2.5x margin.
+FP8_DX_TOL = 0.06
+# (format, act_quant) pairs: both settings of the formats that have an activation-quantized path.
+CASES = [("int8", None), ("nf4", None), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)]
 
 
-def _layer(fmt, k, n, seed, outliers=0.0, dtype=torch.float32):
+def _layer(fmt, k, n, seed, outliers=0.0, dtype=torch.float32, act_quant=None):
     torch.manual_seed(seed)
     lin = nn.Linear(k, n)
     with torch.no_grad():
         lin.weight.view(-1)[:: 97] *= 30.0
         lin.bias.normal_()
-    return QuantLinear.from_linear(lin.to(dtype), fmt, outliers)
+    return QuantLinear.from_linear(lin.to(dtype), fmt, outliers, act_quant=act_quant)
 
 
 def _act(shape, seed, dtype):
@@ -49,11 +55,11 @@ def _bits(t):
     return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,act_quant", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("outliers", [0.0, 0.01])
-def test_cuda_matches_cpu(fmt, dtype, outliers):
-    cpu = _layer(fmt, 1024, 384, FORMATS.index(fmt), outliers, dtype)
+def test_cuda_matches_cpu(fmt, act_quant, dtype, outliers):
+    cpu = _layer(fmt, 1024, 384, FORMATS.index(fmt), outliers, dtype, act_quant)
     gpu = copy.deepcopy(cpu).cuda()
     for n, p in gpu.named_parameters():  # .cuda() moved the packed tensors and kept their dtype and bits
         ref = getattr(cpu, n)
@@ -67,8 +73,21 @@ def test_cuda_matches_cpu(fmt, dtype, outliers):
     assert _rel(yg.detach().cpu(), yc.detach()) <= TOL[dtype], gpu.matmul_path().name
     yc.backward(dy)
     yg.backward(dy.cuda())
-    assert _rel(xg.grad.cpu(), xc.grad) <= TOL[dtype]
+    fp8_backward = gpu.matmul_path() is matmul.FP8_W8A8_SCALED_MM and dtype != torch.float32
+    assert _rel(xg.grad.cpu(), xc.grad) <= (FP8_DX_TOL if fp8_backward else TOL[dtype])
     assert all(p.grad is None for p in gpu.parameters())
+
+
+def test_default_act_quant_on_this_gpu():
+    """act_quant=None resolves per device: fp8 quantizes activations where FP8 tensor cores run it (sm_89+), nvfp4 is
+    weight-only on every GPU (no FP4 tensor-core path is implemented); on the CPU both quantize."""
+    fp8, nvfp4 = _layer("fp8", 256, 64, 0), _layer("nvfp4", 256, 64, 1)
+    assert fp8.act_quant and nvfp4.act_quant
+    fp8, nvfp4 = fp8.cuda(), nvfp4.cuda()
+    fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
+    assert fp8.act_quant == fp8_cores
+    assert fp8.matmul_path() is (matmul.FP8_W8A8_SCALED_MM if fp8_cores else matmul.DEQUANT)
+    assert not nvfp4.act_quant and nvfp4.matmul_path() is matmul.DEQUANT
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,22 +118,22 @@ def _no_sync(fn):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,act_quant", CASES)
 @pytest.mark.parametrize("outliers", [0.0, 0.01])
-def test_forward_has_no_host_sync(fmt, outliers):
+def test_forward_has_no_host_sync(fmt, act_quant, outliers):
     """The forward, outlier selection (topk, gathers) included, never waits for the GPU. One warm-up call first: the
     first call on a device copies the NF4 code table there once (trainstream_hf.ops._on_device) and creates the
     cuBLAS handle."""
-    layer = _layer(fmt, 1024, 256, 5, outliers).cuda()
+    layer = _layer(fmt, 1024, 256, 5, outliers, act_quant=act_quant).cuda()
     x = _act((2, 128, 1024), 6, torch.bfloat16).cuda()
     layer(x)
     y = _no_sync(lambda: layer(x))
     assert y.shape == (2, 128, 256)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_backward_has_no_host_sync(fmt):
-    layer = _layer(fmt, 1024, 256, 7, 0.01).cuda()
+@pytest.mark.parametrize("fmt,act_quant", CASES)
+def test_backward_has_no_host_sync(fmt, act_quant):
+    layer = _layer(fmt, 1024, 256, 7, 0.01, act_quant=act_quant).cuda()
     x = _act((2, 128, 1024), 8, torch.bfloat16).cuda().requires_grad_()
     dy = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     layer(x).backward(dy)

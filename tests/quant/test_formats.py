@@ -335,10 +335,14 @@ def test_dequantize_bad_input(fmt):
 
 
 def test_quantize_picks_native_kernel_where_registered():
+    """Each direction takes the native op where this build has a kernel for the device: NF4 / NVFP4 both ways, int8 /
+    FP8 dequantize only (their quantizers are the references everywhere)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("trainstream::dequantize_fp8", "CUDA")
     for fmt in ("nf4", "nvfp4"):
-        assert formats._impl(get_format(fmt), cpu) is formats._NATIVE[fmt]
-        has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(f"trainstream::quantize_{fmt}", "CUDA")
-        assert formats._impl(get_format(fmt), cuda) is (formats._NATIVE if has_cuda else formats._REFERENCE)[fmt]
+        assert formats._impl(get_format(fmt), cpu) == formats._NATIVE[fmt]
+        assert formats._impl(get_format(fmt), cuda) == (formats._NATIVE if has_cuda else formats._REFERENCE)[fmt]
     for fmt in ("int8", "fp8"):
-        assert formats._impl(get_format(fmt), cpu) is formats._REFERENCE[fmt]
+        ref_q, ref_d = formats._REFERENCE[fmt]
+        assert formats._impl(get_format(fmt), cpu) == (ref_q, formats._NATIVE[fmt][1])
+        assert formats._impl(get_format(fmt), cuda) == (ref_q, formats._NATIVE[fmt][1] if has_cuda else ref_d)

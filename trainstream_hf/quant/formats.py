@@ -65,9 +65,9 @@ class QuantFormat:
     tensor_names: tuple[str, ...] = field(metadata={"help": "tensors of a QuantizedTensor, packed codes first"})
     block_size: int = field(metadata={"help": "weights sharing one scale along in_features (0: a whole row)"})
     in_features_multiple: int = field(metadata={"help": "in_features must be a multiple of this"})
-    native: tuple[str, str] | None = field(
-        metadata={"help": "(quantize op, dequantize op) in torch.ops.trainstream, None where the reference in "
-                          "trainstream_hf.ops is the implementation on every device"})
+    native: tuple[str | None, str | None] = field(
+        metadata={"help": "(quantize op, dequantize op) in torch.ops.trainstream; None for a direction whose "
+                          "pure-PyTorch reference in trainstream_hf.ops is the implementation on every device"})
     summary: str
 
     def packed_nbytes(self, shape: tuple[int, int]) -> int:
@@ -87,17 +87,18 @@ class QuantFormat:
         return 8.0 * self.packed_nbytes(shape) / (shape[0] * shape[1])
 
 
-INT8 = QuantFormat("int8", ("data", "scale"), 0, 1, None, "int8, per-row absmax scale")
+INT8 = QuantFormat("int8", ("data", "scale"), 0, 1, (None, "dequantize_int8"), "int8, per-row absmax scale")
 NF4 = QuantFormat("nf4", ("data", "absmax_q", "absmax_scale", "absmax_offset"), ops.NF4_BLOCK, ops.NF4_BLOCK,
                   ("quantize_nf4", "dequantize_nf4"), "4-bit NormalFloat, blocks of 64, E4M3 double-quantised absmax")
-FP8 = QuantFormat("fp8", ("data", "scale"), 0, 1, None, "float8 E4M3, per-row scale")
+FP8 = QuantFormat("fp8", ("data", "scale"), 0, 1, (None, "dequantize_fp8"), "float8 E4M3, per-row scale")
 NVFP4 = QuantFormat("nvfp4", ("data", "block_scale", "tensor_scale"), ops.NVFP4_BLOCK, ops.NVFP4_BLOCK,
                     ("quantize_nvfp4", "dequantize_nvfp4"), "FP4 E2M1, E4M3 scale per 16, fp32 tensor scale")
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in (INT8, NF4, FP8, NVFP4)}
 
-# name -> (quantize, dequantize): the native ops (used where this build has a kernel for the device) and the
-# pure-PyTorch references.
-_NATIVE = {"nf4": (ops.quantize_nf4, ops.dequantize_nf4), "nvfp4": (ops.quantize_nvfp4, ops.dequantize_nvfp4)}
+# name -> (quantize, dequantize): the native ops (used where this build has a kernel for the device; None where
+# there is none) and the pure-PyTorch references.
+_NATIVE = {"int8": (None, ops.dequantize_int8), "nf4": (ops.quantize_nf4, ops.dequantize_nf4),
+           "fp8": (None, ops.dequantize_fp8), "nvfp4": (ops.quantize_nvfp4, ops.dequantize_nvfp4)}
 _REFERENCE = {
     "int8": (ops.quantize_int8_reference, ops.dequantize_int8_reference),
     "nf4": (ops.quantize_nf4_reference, ops.dequantize_nf4_reference),
@@ -144,24 +145,18 @@ class QuantizedTensor:
                                                       for k, t in self.tensors.items()}, self.dtype)
 
 
-def _has_native_kernel(op: str, device: torch.device) -> bool:
-    # torch has no public "is there a kernel for this op on this device" query; this private one has been stable
-    # since torch 1.10. It lets CUDA kernels, once registered under the same names, be picked up with no change here.
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"trainstream::{op}", key)
-
-
-def _impl(fmt: QuantFormat, device: torch.device):
-    if fmt.native is not None and _has_native_kernel(fmt.native[0], device):
-        return _NATIVE[fmt.name]
-    return _REFERENCE[fmt.name]
+def _impl(fmt: QuantFormat, device: torch.device) -> tuple:
+    """``(quantize, dequantize)`` for ``fmt`` on ``device``: each the native op where this build has a kernel for the
+    device, else the reference (same bits)."""
+    return tuple(native if op is not None and ops.has_kernel(op, device) else reference
+                 for op, native, reference in zip(fmt.native, _NATIVE[fmt.name], _REFERENCE[fmt.name]))
 
 
 def quantize(weight: torch.Tensor, fmt: str | QuantFormat) -> QuantizedTensor:
     """Quantizes a (out_features, in_features) weight; the result stays on the weight's device.
 
     NF4 and NVFP4 run the native kernel where this build has one for the device, the pure-PyTorch reference
-    (same bits) elsewhere; int8 and FP8 run the reference everywhere.
+    (same bits) elsewhere; int8 and FP8 run the reference everywhere (their dequantize has native kernels).
 
     Args:
         weight: float32, bfloat16 or float16, 2-D, finite; in_features a multiple of ``fmt``'s block
@@ -183,7 +178,11 @@ def quantize(weight: torch.Tensor, fmt: str | QuantFormat) -> QuantizedTensor:
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The (out_features, in_features) weight ``q`` decodes to, in ``dtype`` (float32, bfloat16 or float16)."""
+    """The (out_features, in_features) weight ``q`` decodes to, in ``dtype`` (float32, bfloat16 or float16).
+
+    Every format runs its fused native kernel where this build has one for the device (CPU always, CUDA in a CUDA
+    build), the pure-PyTorch reference (same bits) elsewhere.
+    """
     if dtype not in ops.WEIGHT_DTYPES:
         raise TypeError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
     return _impl(q.fmt, q.device)[1](*(q.tensors[n] for n in q.fmt.tensor_names), dtype=dtype)

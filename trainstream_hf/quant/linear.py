@@ -83,16 +83,18 @@ class QuantLinear(nn.Module):
     ``act_quant``); its numerics are documented in :mod:`trainstream_hf.quant.matmul`:
 
     * weight-only (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): exactly ``F.linear(x, dequantize(W, x.dtype))``;
-    * fp8 with ``act_quant=True`` (default): W8A8, activations quantized per token to E4M3, float32 accumulation;
-    * nvfp4 with ``act_quant=True`` (default): W4A4, activations quantized to NVFP4, float32 accumulation.
+    * fp8 with ``act_quant=True`` (default on the CPU and on sm_89+ GPUs): W8A8, activations quantized per token to
+      E4M3, float32 accumulation; on sm_89+ through ``torch._scaled_mm`` (FP8 tensor cores), whose backward is FP8 too;
+    * nvfp4 with ``act_quant=True`` (default on the CPU): W4A4, activations quantized to NVFP4, float32 accumulation.
 
     With ``outliers=p > 0`` and an activation-quantized path, the ``ceil(p * in_features)`` input channels of largest
     ``max |x|`` bypass the activation quantization (:mod:`trainstream_hf.quant.outliers`); weight-only paths compute
     ``x W_hat^T`` at the activation's precision already, and ignore it. The bias is added in ``y``'s dtype.
 
     Backward: ``dx = dy @ dequantize(W, dy.dtype)`` (straight-through for the activation quantization; the weight is
-    decoded again, not saved in 16 bits); no gradient for the weight; the bias is frozen unless its
-    ``requires_grad`` is set, then it gets the usual ``sum(dy)``.
+    decoded again, not saved in 16 bits), except on the FP8 tensor-core path, which quantizes ``dy * s_w`` per token
+    to E4M3 and multiplies it with the FP8 codes (:mod:`trainstream_hf.quant.matmul`); no gradient for the weight;
+    the bias is frozen unless its ``requires_grad`` is set, then it gets the usual ``sum(dy)``.
 
     Under ``torch.autocast`` (CPU or CUDA) ``x`` is cast to the autocast dtype first and the layer runs with autocast
     off inside, as ``torch.amp.custom_fwd(cast_inputs=...)`` does (which cannot be used here: it fixes one device
@@ -105,8 +107,11 @@ class QuantLinear(nn.Module):
     Args:
         weight: the quantized (out_features, in_features) weight.
         bias: optional (out_features,) bias, kept in its dtype (the tensor is shared, not copied).
-        act_quant: quantize activations on the fly (fp8, nvfp4 only). Default: True for fp8 and nvfp4, which is
-            what their tensor-core paths do, False for int8 and nf4 (weight-only).
+        act_quant: quantize activations on the fly (fp8, nvfp4 only). Default (None): decided per device each time
+            the layer runs (:func:`~trainstream_hf.quant.matmul.default_act_quant`): False for int8 and nf4
+            (weight-only); True for fp8 and nvfp4 on the CPU; on a GPU, True where the format's tensor-core path
+            runs (fp8 on sm_89+) and False elsewhere (nvfp4 today: its emulation is float32 matmuls). ``act_quant``
+            reads back the value for the weight's current device.
         outliers: fraction of input channels kept out of the activation quantization, in [0, 0.5].
     """
 
@@ -120,8 +125,8 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight_dtype: torch.dtype = weight.dtype
         self.outliers = _outliers.check_outliers(outliers)
-        self.act_quant = matmul.default_act_quant(self.fmt) if act_quant is None else bool(act_quant)
-        matmul.select_path(self.fmt, weight.device, self.act_quant)  # raises now for act_quant on int8 / nf4
+        self._act_quant: bool | None = None if act_quant is None else bool(act_quant)
+        matmul.select_path(self.fmt, weight.device, self._act_quant)  # raises now for act_quant on int8 / nf4
         for name in self.fmt.tensor_names:
             self.register_parameter(_PREFIX + name, nn.Parameter(weight.tensors[name], requires_grad=False))
         if bias is not None:
@@ -160,6 +165,20 @@ class QuantLinear(nn.Module):
         return cls(q, b, act_quant=act_quant, outliers=outliers)
 
     @property
+    def act_quant(self) -> bool:
+        """Whether the forward quantizes activations on the weight's current device (the explicit setting, or the
+        device's default when it was left None)."""
+        if self._act_quant is not None:
+            return self._act_quant
+        return matmul.default_act_quant(self.fmt, self.weight_data.device)
+
+    @act_quant.setter
+    def act_quant(self, value: bool | None) -> None:
+        value = None if value is None else bool(value)
+        matmul.select_path(self.fmt, self.weight_data.device, value)  # the same check as the constructor
+        self._act_quant = value
+
+    @property
     def weight(self) -> QuantizedTensor:
         """The packed weight (a view of this module's ``weight_*`` parameters; nothing is copied or decoded)."""
         return QuantizedTensor(self.fmt, (self.out_features, self.in_features),
@@ -177,7 +196,7 @@ class QuantLinear(nn.Module):
     def matmul_path(self, device: torch.device | str | None = None) -> matmul.MatmulPath:
         """The path the forward takes on ``device`` (default: where the weight is)."""
         return matmul.select_path(self.fmt, torch.device(device) if device is not None else self.weight_data.device,
-                                  self.act_quant)
+                                  self._act_quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in ops.WEIGHT_DTYPES:
@@ -196,7 +215,7 @@ class QuantLinear(nn.Module):
         packed = [getattr(self, _PREFIX + n) for n in self.fmt.tensor_names]
         if packed[0].device != x.device:
             raise ValueError(f"QuantLinear: input is on {x.device} but the weight is on {packed[0].device}")
-        path = matmul.select_path(self.fmt, x.device, self.act_quant)
+        path = matmul.select_path(self.fmt, x.device, self._act_quant)
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
         y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features), self.weight_dtype,
                                        k, *packed)
@@ -226,5 +245,6 @@ class QuantLinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        default = " (device default)" if self._act_quant is None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fmt={self.fmt.name}, act_quant={self.act_quant}, outliers={self.outliers}")
+                f"fmt={self.fmt.name}, act_quant={self.act_quant}{default}, outliers={self.outliers}")

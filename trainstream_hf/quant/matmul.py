@@ -2,33 +2,64 @@
 :func:`select_path`, the one place a (format, device, act_quant) picks its path.
 
 ``x`` is 2-D here, ``(T, K)`` (tokens x in_features); ``W`` a :class:`~trainstream_hf.quant.formats.QuantizedTensor`
-``(N, K)``. Every path is pure PyTorch, correct on any device, and free of host synchronisation (no ``.item()``, no
-data-dependent shapes, no pageable host-to-device copies after the first call), so a CUDA fast path can replace one
-per (format, device capability) in :func:`select_path` without any change above it.
+``(N, K)``; ``s_w`` its per-output-channel scale (fp8). Every path is free of host synchronisation (no ``.item()``, no
+data-dependent shapes, no pageable host-to-device copies after the first call).
 
-Paths on the CPU (and, until the GPU fast paths land, on CUDA):
+Paths:
 
 * ``dequant`` (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): weight-only. ``y = F.linear(x, dequantize(W,
   x.dtype))``: exactly ``nn.Linear`` over the dequantized weight rounded once to the activation dtype (float32,
-  bfloat16 or float16), so the matmul accumulates as torch's does for that dtype.
-* ``fp8_w8a8_emulated`` (fp8, ``act_quant=True``): what ``torch._scaled_mm`` with row-wise scales computes on sm_89+.
-  Activations are quantized per row (token) on the fly: ``s_x = max|x_row| / 448``, ``x_q = e4m3(x / s_x)`` (nearest
-  even, saturating; 0 for an all-zero row). ``y = (x_q @ W_q^T) * s_x * s_w`` with the E4M3 values decoded to float32
-  (products exact: 4 x 4 significant bits) and accumulated in float32, then rounded once to the activation dtype.
+  bfloat16 or float16), so the matmul accumulates as torch's does for that dtype. ``dequantize`` is one fused native
+  kernel per format on the CPU and on CUDA. Backward ``dx = dy @ dequantize(W, dy.dtype)``.
+* ``fp8_w8a8_scaled_mm`` (fp8, ``act_quant=True``, CUDA sm_89+): FP8 tensor cores through ``torch._scaled_mm`` with
+  row-wise scales, forward and backward.
+
+  - Forward: ``(x_q, s_x) = quantize_rows_e4m3(x)``: per token ``s_x = max|x_row| / 448``, ``x_q = e4m3(x / s_x)``
+    (nearest even, saturating; 0 for an all-zero row); then ``y = torch._scaled_mm(x_q, W_q^T, scale_a=s_x (T, 1),
+    scale_b=s_w (1, N), out_dtype=x.dtype)``, i.e. ``y[t, n] = dtype(s_x[t] * s_w[n] * sum_k x_q[t, k] W_q[n, k])``:
+    exact E4M3 products accumulated in float32 (``use_fast_accum=False``, torch's default: the kernels promote the
+    tensor cores' partial sums to float32 accumulators rather than keep Hopper's reduced-precision FP8 accumulation),
+    scales applied in the epilogue, one rounding to the activation dtype. Same maths as ``fp8_w8a8_emulated`` below up to summation order and the point
+    where the scales are applied (tests/gpu/test_quant_fp8_cuda.py holds them together).
+  - Backward, ``dx[t, k] = sum_n dy[t, n] s_w[n] W_q[n, k]``: the weight scale lies along the reduced dimension, so it
+    is folded into the gradient before quantizing it: ``(g_q, s_g) = quantize_rows_e4m3(dy, col_scale=s_w)``, i.e.
+    per token ``g = dy * s_w`` (float32), ``s_g = max|g_row| / 448``, ``g_q = e4m3(g / s_g)``; then ``dx =
+    torch._scaled_mm(g_q, W_q, scale_a=s_g (T, 1), scale_b=ones (1, K), out_dtype=dy.dtype)``. So ``dx`` is the
+    straight-through gradient ``dy W_hat`` with ``dy`` rounded to E4M3 per token (relative error per element up to
+    2^-4, about 2.5% in norm for Gaussian gradients, measured; a bf16 ``dx`` is within 2^-9).
+  - Layout: ``_scaled_mm`` wants its second operand column-major. ``W_q^T`` of the row-major (N, K) codes is that, for
+    free. For the backward the (N, K) operand must be column-major, which is the memory of a row-major (K, N)
+    tensor: a transposed copy of ``W_q``, built per backward call (N*K bytes read and written by one bandwidth-bound
+    transpose; estimated from the H200's bandwidth and FP8 rate at 10-20% of the backward GEMM's time at T = 2048,
+    less at larger T; ``measure_fp8_path`` in tests/gpu/test_quant_fp8_cuda.py prints the measured split) and freed
+    right after. Caching it on the layer would double the FP8 weight's memory for good (and the engine pages the
+    packed weight, so the copy would have to be paged too); memory is what this package exists to save, so the
+    transpose is paid in time.
+  - Falls back, per call and with the same maths (``fp8_w8a8_emulated`` forward; ``dequant`` backward), where
+    ``_scaled_mm`` cannot run or would not pay: float32 activations / gradients (float32 output of the row-wise
+    kernels depends on the torch / cuBLAS version, and a float32 model wants float32 numerics), or ``K`` or ``N`` not a
+    multiple of 16 (``_scaled_mm``'s shape rule). ``T`` may be anything. Operands at an address that is not 16-byte
+    aligned (a strided or offset view) are copied first.
+* ``fp8_w8a8_emulated`` (fp8, ``act_quant=True``, CPU and GPUs without FP8 tensor cores): what the path above
+  computes, in PyTorch: ``y = (x_q @ W_q^T) * s_x * s_w`` with the E4M3 values decoded to float32 (products exact: 4 x
+  4 significant bits), accumulated in float32, then rounded once to the activation dtype. Backward: ``dequant``'s.
 * ``nvfp4_w4a4_emulated`` (nvfp4, ``act_quant=True``): what the FP4 tensor-core GEMM (sm_100+) computes. Activations
   are quantized to NVFP4 on the fly with exactly the maths of
   :func:`~trainstream_hf.ops.quantize_nvfp4_reference` (per-tensor scale ``ts_x = max|x| / (448 * 6)``, an E4M3
   scale per 16 consecutive features, E2M1 codes); ``y = ((e2m1_x * s_x) @ (e2m1_w * s_w)^T) * (ts_x * ts_w)``: each
   operand is its codes times its block scales (exact in float32), accumulated in float32, the two tensor scales
-  applied to the output, rounded once to the activation dtype.
+  applied to the output, rounded once to the activation dtype. Backward: ``dequant``'s. It runs float32 matmuls, so
+  on a GPU it is a numerics reference, not a fast path: there the default is ``act_quant=False`` (see
+  :func:`default_act_quant`), and an explicit ``act_quant=True`` warns once. No FP4 tensor-core path is implemented
+  yet (sm_100+ GPUs get the emulation too, with the same warning).
 
-Backward, every path: ``dx = dy @ dequantize(W, dy.dtype)``, in the gradient's dtype; the weight is dequantized
-again in backward, never saved in 16 bits. For the activation-quantized paths this is the straight-through
-estimator: the rounding of ``x`` is treated as the identity, so ``dx`` is the gradient of ``x W_hat^T``. No weight
-gradient.
+For the activation-quantized paths the backward is the straight-through estimator: the rounding of ``x`` is treated
+as the identity, so ``dx`` is the gradient of ``x W_hat^T``. The weight is dequantized (or read as FP8 codes) again in
+backward, never saved in 16 bits. No weight gradient.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,8 +69,8 @@ import torch.nn.functional as F
 from trainstream_hf import ops
 from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize
 
-__all__ = ["MatmulPath", "select_path", "default_act_quant", "ACT_QUANT_FORMATS", "quantize_rows_e4m3",
-           "quantize_nvfp4_activations", "e2m1_decode"]
+__all__ = ["MatmulPath", "select_path", "default_act_quant", "ACT_QUANT_FORMATS", "TENSOR_CORE_CAPABILITY",
+           "quantize_rows_e4m3", "quantize_nvfp4_activations", "e2m1_decode"]
 
 
 @dataclass(frozen=True)
@@ -62,18 +93,23 @@ def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 # Activation quantizers (sync-free; used by the emulated paths, and the maths the GPU paths must reproduce)
 # --------------------------------------------------------------------------------------------------------------
 
-def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row FP8 E4M3: ``s = max|x_row| / 448``, ``q = e4m3(x / s)`` (nearest even, saturating; 0 where s == 0).
+def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 E4M3: ``s = max|v_row| / 448``, ``q = e4m3(v / s)`` with ``v = x * col_scale`` (or ``x``)
+    (nearest even, saturating; 0 where s == 0).
+
+    The fused native kernel (:func:`trainstream_hf.ops.quantize_rows_e4m3`) where this build has one for the device,
+    else :func:`trainstream_hf.ops.quantize_rows_e4m3_reference`; same bits.
 
     Args:
         x: (T, K) float32 / bfloat16 / float16.
+        col_scale: optional float32 (K,) per-feature factor applied first.
 
     Returns:
         ``(q, s)``: float8_e4m3fn (T, K); float32 (T, 1), the layout ``torch._scaled_mm``'s ``scale_a`` takes.
     """
-    xf = x.float()
-    s = xf.abs().amax(dim=1, keepdim=True) / ops.E4M3_MAX
-    return _safe_div(xf, s).clamp_(-ops.E4M3_MAX, ops.E4M3_MAX).to(torch.float8_e4m3fn), s
+    if ops.has_kernel("quantize_rows_e4m3", x.device):
+        return ops.quantize_rows_e4m3(x, col_scale)
+    return ops.quantize_rows_e4m3_reference(x, col_scale)
 
 
 def _e2m1_round(v: torch.Tensor) -> torch.Tensor:
@@ -144,26 +180,121 @@ def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return xv.mm(_nvfp4_weight_operand(q).t()) * (ts * q.tensors["tensor_scale"])
 
 
+# Output dtypes given to the row-wise torch._scaled_mm. bf16 is what every torch >= 2.11 takes on sm_89+ (CUTLASS or
+# cuBLAS kernels); fp16 is taken by torch 2.14's CUTLASS and by cuBLAS 12.9+ on sm_90 (tests/gpu checks it on the
+# reference GPU); float32 output is cuBLAS-only, so float32 activations take the emulated path.
+_SCALED_MM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _scaled_mm_ok(dtype: torch.dtype, q: QuantizedTensor) -> bool:
+    """Whether torch._scaled_mm can run this fp8 weight for activations / gradients of ``dtype``: 16-bit outputs,
+    and both weight dimensions multiples of 16 (its rule for the second operand and the first's inner dimension)."""
+    n, k = q.shape
+    return dtype in _SCALED_MM_DTYPES and n % 16 == 0 and k % 16 == 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor at a 16-byte aligned address (cuBLAS' operand rule): itself, or a copy for a
+    strided or offset view (a host-side pointer check, no sync)."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    if not _scaled_mm_ok(x.dtype, q):
+        return _fp8_w8a8_forward(x, q)
+    xq, sx = quantize_rows_e4m3(x)
+    w = _aligned(q.tensors["data"])  # (N, K) row-major: its .t() is the column-major (K, N) operand
+    sw = _aligned(q.tensors["scale"]).view(1, -1)
+    return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+
+
+def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    if not _scaled_mm_ok(dy.dtype, q):
+        return _dequant_backward(dy, q)
+    k = q.shape[1]
+    gq, sg = quantize_rows_e4m3(dy, q.tensors["scale"])  # dy * s_w, per token to E4M3
+    # The (N, K) operand column-major = a row-major (K, N) copy, viewed back; transposed as bytes (uint8 copies are
+    # supported everywhere float8 ones may not be).
+    w_t = q.tensors["data"].view(torch.uint8).t().contiguous().view(torch.float8_e4m3fn)
+    ones = torch.ones((1, k), dtype=torch.float32, device=dy.device)
+    return torch._scaled_mm(gq, w_t.t(), scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+
+
 DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward)
 FP8_W8A8_EMULATED = MatmulPath("fp8_w8a8_emulated", True, _fp8_w8a8_forward, _dequant_backward)
+FP8_W8A8_SCALED_MM = MatmulPath("fp8_w8a8_scaled_mm", True, _fp8_scaled_mm_forward, _fp8_scaled_mm_backward)
 NVFP4_W4A4_EMULATED = MatmulPath("nvfp4_w4a4_emulated", True, _nvfp4_w4a4_forward, _dequant_backward)
 
-# Formats whose weight has an activation-quantized path (W8A8 / W4A4); act_quant defaults to True for them
-# because that is what their tensor-core paths do. int8 and nf4 are weight-only.
+# Formats whose weight has an activation-quantized path (W8A8 / W4A4), and its portable (emulated) form. int8 and nf4
+# are weight-only.
 ACT_QUANT_FORMATS = {"fp8": FP8_W8A8_EMULATED, "nvfp4": NVFP4_W4A4_EMULATED}
 
+# The CUDA capability whose tensor cores run a format's activation-quantized matmul natively: FP8 from Ada / Hopper
+# (sm_89), FP4 from Blackwell (sm_100).
+TENSOR_CORE_CAPABILITY = {"fp8": (8, 9), "nvfp4": (10, 0)}
 
-def default_act_quant(fmt: QuantFormat) -> bool:
-    return fmt.name in ACT_QUANT_FORMATS
+# act_quant paths implemented on tensor cores, by format (the FP4 one is not written yet: no sm_100 GPU to test it).
+_TENSOR_CORE_PATHS = {"fp8": FP8_W8A8_SCALED_MM}
+
+_WARNED: set[tuple[str, tuple[int, int]]] = set()
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # device index -> capability (select_path runs on every forward)
 
 
-def select_path(fmt: QuantFormat, device: torch.device, act_quant: bool) -> MatmulPath:
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.index is None:  # "the current device", which may change: not cached
+        return tuple(torch.cuda.get_device_capability(device))
+    cap = _CAPABILITY.get(device.index)
+    if cap is None:
+        cap = _CAPABILITY[device.index] = tuple(torch.cuda.get_device_capability(device))
+    return cap
+
+
+def default_act_quant(fmt: QuantFormat, device: torch.device | str | None = None) -> bool:
+    """Whether ``fmt`` quantizes activations by default on ``device``.
+
+    int8 and nf4: never (weight-only). fp8 and nvfp4: on the CPU (and ``device=None``), yes: the emulated W8A8 / W4A4
+    paths define the numerics the tensor-core paths have. On a CUDA device, only where a tensor-core path for the
+    format is implemented and the device has the tensor cores (fp8: sm_89+); elsewhere (nvfp4 on any GPU today, fp8
+    before sm_89) the emulation would run float32 matmuls, much slower than the weight-only path, so the default is
+    ``act_quant=False`` there.
+    """
+    if fmt.name not in ACT_QUANT_FORMATS:
+        return False
+    if device is None or torch.device(device).type != "cuda":
+        return True
+    return fmt.name in _TENSOR_CORE_PATHS and _capability(torch.device(device)) >= TENSOR_CORE_CAPABILITY[fmt.name]
+
+
+def _warn_emulated(fmt: QuantFormat, cap: tuple[int, int]) -> None:
+    key = (fmt.name, cap)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    need = TENSOR_CORE_CAPABILITY[fmt.name]
+    if cap < need:
+        why = (f"{'FP4' if fmt.name == 'nvfp4' else 'FP8'} tensor cores need sm_{need[0]}{need[1]}+ and this GPU is "
+               f"sm_{cap[0]}{cap[1]}")
+    else:
+        why = f"the {fmt.name} tensor-core path is not implemented yet"
+    warnings.warn(f"act_quant=True for {fmt.name} on CUDA: {why}, so activations are quantized by the emulated path "
+                  f"(float32 matmuls, slow). act_quant=False (the default on this GPU) dequantizes the weight into a "
+                  f"16-bit GEMM instead.", RuntimeWarning, stacklevel=3)
+
+
+def select_path(fmt: QuantFormat, device: torch.device, act_quant: bool | None = None) -> MatmulPath:
     """The matmul path for a ``fmt`` weight on ``device``; fastest correct first.
+
+    * ``act_quant`` False (always for int8 / nf4; by default for nvfp4 on GPUs and fp8 before sm_89): ``dequant``.
+    * fp8 with ``act_quant``: ``fp8_w8a8_scaled_mm`` on CUDA sm_89+; ``fp8_w8a8_emulated`` on the CPU, and on older
+      GPUs with a one-time warning.
+    * nvfp4 with ``act_quant``: ``nvfp4_w4a4_emulated``; on CUDA with a one-time warning (FP4 tensor cores need
+      sm_100+, and no path for them is implemented yet).
 
     Args:
         fmt: the weight's format.
         device: where the weight and the activations are.
-        act_quant: quantize activations on the fly (fp8: W8A8, nvfp4: W4A4) rather than dequantizing the weight.
+        act_quant: quantize activations on the fly (fp8: W8A8, nvfp4: W4A4) rather than dequantizing the weight;
+            None: :func:`default_act_quant` for ``device``.
 
     Returns:
         The :class:`MatmulPath`.
@@ -171,12 +302,18 @@ def select_path(fmt: QuantFormat, device: torch.device, act_quant: bool) -> Matm
     Raises:
         ValueError: ``act_quant`` for a weight-only format (int8, nf4).
     """
+    device = torch.device(device)
+    if act_quant is None:
+        act_quant = default_act_quant(fmt, device)
     if act_quant and fmt.name not in ACT_QUANT_FORMATS:
         raise ValueError(f"act_quant=True needs a format with an activation-quantized path "
                          f"({', '.join(ACT_QUANT_FORMATS)}); {fmt.name} is weight-only")
-    # GPU fast paths slot in here, each behind the capability it needs, e.g. fp8 + act_quant on sm_89+ ->
-    # torch._scaled_mm with row-wise scales; nvfp4 + act_quant on sm_100+ -> FP4 tensor cores; nf4 / int8 ->
-    # a fused dequantize kernel feeding the GEMM. Their numerics must match the emulated paths' (tests/gpu).
-    if act_quant:
-        return ACT_QUANT_FORMATS[fmt.name]
-    return DEQUANT
+    if not act_quant:
+        return DEQUANT
+    if device.type == "cuda":
+        cap = _capability(device)
+        fast = _TENSOR_CORE_PATHS.get(fmt.name)
+        if fast is not None and cap >= TENSOR_CORE_CAPABILITY[fmt.name]:
+            return fast
+        _warn_emulated(fmt, cap)
+    return ACT_QUANT_FORMATS[fmt.name]

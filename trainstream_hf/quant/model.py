@@ -48,7 +48,8 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
             (see :class:`QuantLinear`).
         skip: module names to leave alone; an entry matches a module whose qualified name equals it or ends with
             ``"." + entry`` (``"lm_head"``, ``"down_proj"``, ``"model.layers.0.mlp.up_proj"``).
-        act_quant: see :class:`QuantLinear` (default: True for fp8 / nvfp4, False for int8 / nf4).
+        act_quant: see :class:`QuantLinear` (default None: per device, see
+            :func:`~trainstream_hf.quant.matmul.default_act_quant`).
         device: where to run the quantization (default: where each weight is).
 
     Returns:

@@ -1,0 +1,263 @@
+"""Matmul path selection per (format, device capability, act_quant) with a faked CUDA capability, QuantLinear's
+device-dependent act_quant default, and the FP8 tensor-core path's wiring (operand layouts, scales, fallbacks, the
+FP8 backward's numerics) on the CPU, with torch._scaled_mm replaced by an emulation that enforces its contract."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from trainstream_hf import ops
+from trainstream_hf.quant import QuantLinear, dequantize, get_format, quantize
+from trainstream_hf.quant import matmul
+from trainstream_hf.quant.linear import _QuantLinearFunction
+
+CUDA = torch.device("cuda")
+FMTS = ["int8", "nf4", "fp8", "nvfp4"]
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """Fakes torch.cuda.get_device_capability (no GPU needed: select_path only asks for the capability) and forgets
+    the one-time warnings already given."""
+    monkeypatch.setattr(matmul, "_WARNED", set())
+    monkeypatch.setattr(matmul, "_CAPABILITY", {})
+
+    def set_cap(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    return set_cap
+
+
+def _no_warnings(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# select_path / default_act_quant
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cap,fp8_default", [((8, 0), matmul.DEQUANT), ((8, 9), matmul.FP8_W8A8_SCALED_MM),
+                                             ((9, 0), matmul.FP8_W8A8_SCALED_MM),
+                                             ((10, 0), matmul.FP8_W8A8_SCALED_MM)])
+def test_defaults_per_capability(capability, cap, fp8_default):
+    capability(cap)
+    path = lambda name: _no_warnings(lambda: matmul.select_path(get_format(name), CUDA))  # noqa: E731
+    assert path("fp8") is fp8_default
+    assert matmul.default_act_quant(get_format("fp8"), CUDA) == (cap >= (8, 9))
+    # nvfp4: no FP4 tensor-core path is implemented, so weight-only on every GPU (sm_90 has no FP4 tensor cores).
+    assert path("nvfp4") is matmul.DEQUANT and not matmul.default_act_quant(get_format("nvfp4"), CUDA)
+    assert path("int8") is matmul.DEQUANT and path("nf4") is matmul.DEQUANT
+
+
+def test_cpu_defaults_unchanged():
+    cpu = torch.device("cpu")
+    for name in FMTS:
+        assert matmul.default_act_quant(get_format(name), cpu) == (name in ("fp8", "nvfp4"))
+        assert matmul.default_act_quant(get_format(name)) == (name in ("fp8", "nvfp4"))
+    assert matmul.select_path(get_format("fp8"), cpu) is matmul.FP8_W8A8_EMULATED
+    assert matmul.select_path(get_format("nvfp4"), cpu) is matmul.NVFP4_W4A4_EMULATED
+    assert matmul.select_path(get_format("fp8"), cpu, True) is matmul.FP8_W8A8_EMULATED
+
+
+@pytest.mark.parametrize("cap", [(8, 9), (9, 0), (12, 0)])
+def test_fp8_act_quant_takes_scaled_mm(capability, cap):
+    capability(cap)
+    assert _no_warnings(lambda: matmul.select_path(get_format("fp8"), CUDA, True)) is matmul.FP8_W8A8_SCALED_MM
+    assert matmul.select_path(get_format("fp8"), torch.device("cuda:0"), False) is matmul.DEQUANT
+
+
+@pytest.mark.parametrize("fmt,cap,msg", [
+    ("nvfp4", (9, 0), "FP4 tensor cores need sm_100\\+ and this GPU is sm_90"),
+    ("nvfp4", (10, 0), "the nvfp4 tensor-core path is not implemented yet"),
+    ("fp8", (8, 0), "FP8 tensor cores need sm_89\\+ and this GPU is sm_80"),
+])
+def test_explicit_act_quant_without_tensor_cores_warns_once(capability, fmt, cap, msg):
+    capability(cap)
+    with pytest.warns(RuntimeWarning, match=msg):
+        path = matmul.select_path(get_format(fmt), CUDA, True)
+    assert path is matmul.ACT_QUANT_FORMATS[fmt]
+    assert _no_warnings(lambda: matmul.select_path(get_format(fmt), CUDA, True)) is path  # once
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_act_quant_on_weight_only_formats_raises_on_cuda_too(capability, fmt):
+    capability((9, 0))
+    with pytest.raises(ValueError, match=f"{fmt} is weight-only"):
+        matmul.select_path(get_format(fmt), CUDA, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# QuantLinear: act_quant=None follows the device it runs on
+# ---------------------------------------------------------------------------------------------------------------
+
+def _layer(fmt, k=64, n=32, act_quant=None, seed=0):
+    torch.manual_seed(seed)
+    return QuantLinear.from_linear(nn.Linear(k, n), fmt, act_quant=act_quant)
+
+
+def test_quant_linear_default_follows_device(capability):
+    capability((9, 0))
+    nvfp4, fp8 = _layer("nvfp4"), _layer("fp8")
+    assert nvfp4.act_quant and fp8.act_quant  # on the CPU, where the weights are
+    assert nvfp4.matmul_path() is matmul.NVFP4_W4A4_EMULATED
+    assert _no_warnings(lambda: nvfp4.matmul_path("cuda")) is matmul.DEQUANT
+    assert fp8.matmul_path("cuda") is matmul.FP8_W8A8_SCALED_MM
+    assert "act_quant=True (device default)" in repr(nvfp4)
+    explicit = _layer("nvfp4", act_quant=True)
+    assert "(device default)" not in repr(explicit)
+    with pytest.warns(RuntimeWarning, match="FP4 tensor cores need sm_100"):
+        assert explicit.matmul_path("cuda") is matmul.NVFP4_W4A4_EMULATED
+    assert _layer("fp8", act_quant=False).matmul_path("cuda") is matmul.DEQUANT
+
+
+def test_quant_linear_act_quant_setter():
+    layer = _layer("fp8")
+    layer.act_quant = False
+    assert layer.act_quant is False and layer.matmul_path() is matmul.DEQUANT
+    layer.act_quant = None
+    assert layer.act_quant is True
+    int8 = _layer("int8")
+    assert int8.act_quant is False
+    with pytest.raises(ValueError, match="int8 is weight-only"):
+        int8.act_quant = True
+    assert int8.act_quant is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 tensor-core path, with torch._scaled_mm emulated
+# ---------------------------------------------------------------------------------------------------------------
+
+def _fake_scaled_mm(calls):
+    """torch._scaled_mm's row-wise contract (torch 2.11-2.14, sm_89+: aten/src/ATen/native/cuda/Blas.cpp), asserted,
+    then its maths: ``dtype((a @ b) * scale_a * scale_b)`` with float32 accumulation."""
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        assert a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn
+        (m, k), (k2, n) = a.shape, b.shape
+        assert k == k2
+        assert a.stride() == (k, 1), "a must be row-major"
+        assert b.stride() == (1, k), "b must be column-major"
+        assert k % 16 == 0 and n % 16 == 0, "dimensions must be multiples of 16"
+        assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        assert scale_a.dtype == torch.float32 and scale_a.shape == (m, 1) and scale_a.is_contiguous()
+        assert scale_b.dtype == torch.float32 and scale_b.shape == (1, n) and scale_b.is_contiguous()
+        assert out_dtype in (torch.bfloat16, torch.float16) and bias is None and not use_fast_accum
+        calls.append((m, k, n))
+        return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+    return scaled_mm
+
+
+@pytest.fixture
+def scaled_mm(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls))
+    return calls
+
+
+def _weight(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w.view(-1)[:: 97] *= 30.0
+    return w
+
+
+def _act(shape, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[:, torch.randperm(shape[1], generator=g)[: max(1, shape[1] // 100)]] *= 50.0  # outlier channels
+    x[1] = 0.0  # an all-zero token
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_mm_forward_is_the_emulated_maths(scaled_mm, dtype):
+    q = quantize(_weight(48, 128, 1), "fp8")
+    x = _act((37, 128), 2, dtype)
+    y = matmul.FP8_W8A8_SCALED_MM.forward(x, q)
+    assert scaled_mm == [(37, 128, 48)] and y.dtype == dtype
+    # Same float32 operations as the emulation (the real kernel differs only in summation order).
+    assert torch.equal(y, matmul.FP8_W8A8_EMULATED.forward(x, q).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_mm_backward_numerics(scaled_mm, dtype):
+    """dx = dtype((e4m3(dy * s_w / s_g) @ W_q) * s_g): equal to that formula computed independently, and within FP8
+    rounding of the straight-through dx = dy @ dequantize(W)."""
+    q = quantize(_weight(64, 96, 3), "fp8")
+    dy = _act((41, 64), 4, dtype)
+    dx = matmul.FP8_W8A8_SCALED_MM.backward(dy, q)
+    assert scaled_mm == [(41, 64, 96)] and dx.dtype == dtype and dx.shape == (41, 96)
+    g = dy.float() * q.tensors["scale"]
+    s = g.abs().amax(dim=1, keepdim=True) / 448.0
+    g_q = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    expect = ((g_q.float() @ q.tensors["data"].float()) * s).to(dtype)
+    assert torch.equal(dx, expect)
+    exact = dy.double() @ dequantize(q, torch.float32).double()
+    err = (dx.double() - exact).norm() / exact.norm()
+    # E4M3 keeps 4 significant bits: a relative rounding error up to 2^-4 per element, about 0.025 in RMS for Gaussian
+    # values (measured); independent errors keep dx's relative error in norm about that of dy, less here where a few
+    # outlier channels (rounded like the rest, relatively) dominate the norm. Bounded above at 2.4x the Gaussian
+    # figure; bounded below to show that dy was quantized at all.
+    assert 1e-3 < err < 0.06, float(err)
+    assert float((dx[1].float()).abs().max()) == 0.0  # the zero token
+
+
+def test_scaled_mm_falls_back_where_it_cannot_run(scaled_mm):
+    """float32 activations, or K / N not multiples of 16: the emulated forward and the dequant backward, same bits."""
+    q = quantize(_weight(48, 128, 5), "fp8")
+    x = _act((9, 128), 6, torch.float32)
+    assert torch.equal(matmul.FP8_W8A8_SCALED_MM.forward(x, q), matmul.FP8_W8A8_EMULATED.forward(x, q))
+    dy = _act((9, 48), 7, torch.float32)
+    assert torch.equal(matmul.FP8_W8A8_SCALED_MM.backward(dy, q), matmul.DEQUANT.backward(dy, q))
+    for n, k in ((40, 128), (48, 120)):
+        q = quantize(_weight(n, k, 8), "fp8")
+        x = _act((9, k), 9, torch.bfloat16)
+        assert torch.equal(matmul.FP8_W8A8_SCALED_MM.forward(x, q), matmul.FP8_W8A8_EMULATED.forward(x, q))
+        dy = _act((9, n), 10, torch.bfloat16)
+        assert torch.equal(matmul.FP8_W8A8_SCALED_MM.backward(dy, q), matmul.DEQUANT.backward(dy, q))
+    assert scaled_mm == []
+
+
+def test_scaled_mm_copies_misaligned_weights(scaled_mm):
+    """A weight view at an odd address (a paged slot, say) is copied to an aligned one rather than handed to cuBLAS."""
+    q = quantize(_weight(32, 64, 11), "fp8")
+    raw = torch.empty(q.data.numel() + 1, dtype=torch.uint8)
+    raw[1:].copy_(q.data.view(torch.uint8).view(-1))
+    odd = raw[1:].view(torch.float8_e4m3fn).view(32, 64)
+    assert odd.data_ptr() % 16 != 0
+    q_odd = type(q)(q.fmt, q.shape, {"data": odd, "scale": q.tensors["scale"]}, q.dtype)
+    x = _act((5, 64), 12, torch.bfloat16)
+    assert torch.equal(matmul.FP8_W8A8_SCALED_MM.forward(x, q_odd), matmul.FP8_W8A8_SCALED_MM.forward(x, q))
+    dy = _act((5, 32), 13, torch.bfloat16)
+    assert torch.equal(matmul.FP8_W8A8_SCALED_MM.backward(dy, q_odd), matmul.FP8_W8A8_SCALED_MM.backward(dy, q))
+
+
+@pytest.mark.parametrize("k_outliers", [0, 3])
+def test_scaled_mm_path_through_the_autograd_function(scaled_mm, k_outliers):
+    """QuantLinear's autograd.Function with the tensor-core path: forward (with outlier channels split off) and
+    dx through the FP8 backward, only the packed weight saved."""
+    lin = nn.Linear(128, 64, bias=False)
+    layer = QuantLinear.from_linear(lin, "fp8")
+    packed = [layer.weight_data, layer.weight_scale]
+    x = _act((2 * 8, 128), 14, torch.bfloat16).view(2, 8, 128).requires_grad_()
+    y = _QuantLinearFunction.apply(x, matmul.FP8_W8A8_SCALED_MM, layer.fmt, (64, 128), torch.float32, k_outliers,
+                                   *packed)
+    assert y.shape == (2, 8, 64) and y.dtype == torch.bfloat16
+    ref = layer(x.detach())  # the CPU path: the emulated forward, same maths
+    assert float((y.detach().float() - ref.float()).abs().max()) <= 2 ** -7 * float(ref.float().abs().max())
+    dy = _act((16, 64), 15, torch.bfloat16).view(2, 8, 64)
+    y.backward(dy)
+    assert torch.equal(x.grad.view(16, 128), matmul.FP8_W8A8_SCALED_MM.backward(dy.view(16, 64), layer.weight))
+    assert len(scaled_mm) == 3  # forward, backward (and the direct call above)
+
+
+def test_quantize_rows_e4m3_reference_matches_fp8_weight_quantizer():
+    """The activation quantizer is the fp8 weight quantizer applied per token (scales kept (T, 1))."""
+    x = _act((9, 80), 16, torch.bfloat16)
+    q, s = ops.quantize_rows_e4m3_reference(x)
+    ref = quantize(x, "fp8").tensors
+    assert torch.equal(q.view(torch.uint8), ref["data"].view(torch.uint8))
+    assert torch.equal(s.view(-1), ref["scale"])
