@@ -44,7 +44,7 @@ except RuntimeError as e:
 PY
 
 step "tests (CPU + GPU)"
-$PY -m pytest -q -p no:cacheprovider ${TESTS:-tests} --junitxml="$OUT/pytest.xml" "$@" > "$OUT/pytest.log" 2>&1 || status=1
+$PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors ${TESTS:-tests} --junitxml="$OUT/pytest.xml" "$@" > "$OUT/pytest.log" 2>&1 || status=1
 tail -25 "$OUT/pytest.log"
 
 # BENCH: suites to run (default micro); BENCH_ARGS: extra arguments for each, e.g. "--peers peft,ts_lora".

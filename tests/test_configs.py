@@ -19,14 +19,73 @@ MODEL_JSONS = sorted((ROOT / "configs" / "models").glob("*.json"))
 
 def test_there_are_configs():
     assert (ROOT / "configs" / "sft-tiny-cpu.yaml") in YAMLS
+    assert (ROOT / "configs" / "accelerate" / "single_gpu.yaml") in YAMLS
     assert MODEL_JSONS
+
+
+# config -> (model JSON, base format, LoRA rank or None for a full fine-tune): the 24 GiB benchmark set
+BENCHMARK_CONFIGS = {
+    "llama3-8b-lora-bf16-24gib.yaml": ("llama3-8b", None, 16),
+    "llama3-8b-lora-nf4-24gib.yaml": ("llama3-8b", "nf4", 16),
+    "llama3-8b-lora-fp8-24gib.yaml": ("llama3-8b", "fp8", 16),
+    "llama3-8b-lora-nvfp4-24gib.yaml": ("llama3-8b", "nvfp4", 16),
+    "llama3-70b-lora-nf4-24gib.yaml": ("llama3-70b", "nf4", 16),
+    "llama3.2-3b-full-24gib.yaml": ("llama3.2-3b", None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARK_CONFIGS))
+def test_benchmark_configs(name):
+    """Each runs under accelerate launch with the stock single-GPU config, random weights of its shape, batch
+    1 x 2048 tokens, a 24 GiB budget, bf16 under the launcher's mixed precision."""
+    path = ROOT / "configs" / name
+    assert read_command_comment(path) == ("accelerate launch --config_file configs/accelerate/single_gpu.yaml "
+                                          f"recipes/sft.py --config configs/{name}")
+    cfg = load(SFTConfig, path)
+    shape, quantize, r = BENCHMARK_CONFIGS[name]
+    assert (cfg.model, cfg.init, cfg.dtype, cfg.mixed_precision) == \
+        (f"configs/models/{shape}.json", "random", "bfloat16", "auto")
+    assert (cfg.trainstream.quantize, cfg.lora.r, cfg.trainstream.vram_budget) == (quantize, r, "24GiB")
+    assert (cfg.train.batch_size, cfg.data.max_length, cfg.data.packing) == (1, 2048, True)
+    assert cfg.trainstream.batch_shape == (1, 2048) and cfg.wrap and not cfg.eval.enabled
+    if r is not None:
+        assert cfg.lora.target_modules == "all-linear"
+
+
+def test_model_jsons_agree_with_the_benchmark_shapes():
+    """configs/models/ and trainstream_hf.bench.models.SHAPES describe the same architectures where both have one."""
+    from trainstream_hf.bench.models import SHAPES
+
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings", "rms_norm_eps")
+    checked = 0
+    for path in MODEL_JSONS:
+        shape = SHAPES.get(path.stem)
+        if shape is None:
+            continue
+        ours = json.loads(path.read_text())
+        assert {k: ours[k] for k in keys} == {k: shape[k] for k in keys}, path.name
+        assert ours["rope_parameters"]["rope_theta"] == shape["rope_theta"], path.name
+        checked += 1
+    assert checked >= 2
+
+
+def _accelerate_config(path: Path):
+    """accelerate's own loader (refuses unknown keys); the recipes train in one process."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(path))
+    assert cfg.num_processes == 1 and cfg.num_machines == 1, \
+        f"{path}: the recipes train in one process (num_processes: 1, num_machines: 1)"
+    return cfg
 
 
 def validate_config_file(path: Path, root: Path = ROOT) -> None:
     """Raises (AssertionError, ConfigError, ...) unless ``path`` starts with a comment giving the command that
     runs it and its contents validate against what that command reads it as: a recipe config (``--config
     path``, schema from ``RECIPES``), or an Accelerate config (``--config_file path``, accelerate's own
-    loader, which refuses unknown keys). Every file a recipe config names must exist."""
+    loader, which refuses unknown keys). Every file the command or a recipe config names must exist; an Accelerate
+    config named by a recipe config's command is validated too."""
     command = read_command_comment(path)
     assert command, f"{path}: the first line must be a comment with the command that runs it"
     words = shlex.split(command)
@@ -35,12 +94,17 @@ def validate_config_file(path: Path, root: Path = ROOT) -> None:
     script = words[scripts[0]]
     assert (root / script).is_file(), f"{path}: the command runs {script}, which does not exist"
     rel = str(path.relative_to(root))
-    if "--config_file" in words and words[words.index("--config_file") + 1] == rel:
-        from accelerate.commands.config.config_args import ClusterConfig
-
-        ClusterConfig.from_yaml_file(str(path))
-        return
+    launcher = words[:scripts[0]]
     args = words[scripts[0] + 1:]
+    if "--config_file" in launcher:
+        assert launcher[:2] == ["accelerate", "launch"], f"{path}: --config_file belongs to accelerate launch"
+        acc = launcher[launcher.index("--config_file") + 1]
+        assert (root / acc).is_file(), f"{path}: the command's accelerate config {acc} does not exist"
+        _accelerate_config(root / acc)
+        if acc == rel:  # this file is the accelerate config: the recipe config its command names must exist
+            assert "--config" in args and (root / args[args.index("--config") + 1]).is_file(), \
+                f"{path}: the command's recipe config does not exist: {command!r}"
+            return
     assert "--config" in args and args[args.index("--config") + 1] == rel, \
         f"{path}: the command must pass --config {rel} (or --config_file {rel} to accelerate), got {command!r}"
     name = Path(script).stem
@@ -72,6 +136,15 @@ def test_config_validates(path):
     ("acc.yaml", "# accelerate launch --config_file c/acc.yaml recipes/sft.py --config c/x.yaml\n"
      "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_procs: 1\n",
      ValueError, r"unknown keys \(\['num_procs'\]\)"),
+    ("multi.yaml", "# accelerate launch --config_file c/multi.yaml recipes/sft.py --config c/x.yaml\n"
+     "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n",
+     AssertionError, "train in one process"),
+    ("launched.yaml", "# accelerate launch --config_file c/none.yaml recipes/sft.py --config c/launched.yaml\n"
+     "init: random\n", AssertionError, "accelerate config c/none.yaml does not exist"),
+    ("badvalue.yaml", "# python recipes/sft.py --config c/badvalue.yaml\nmixed_precision: fp16\n", ConfigError,
+     r"mixed_precision: expected 'auto' \| 'no' \| 'bf16', got 'fp16'"),
+    ("badsection.yaml", "# python recipes/sft.py --config c/badsection.yaml\nlora:\n  rank: 16\n", ConfigError,
+     r"unknown option lora\.rank; the options of lora are: r, alpha, dropout, target_modules"),
 ])
 def test_config_validation_catches(tmp_path, name, text, error, match):
     """The walk above fails for each kind of broken config (checked on copies in a scratch tree)."""
@@ -85,8 +158,11 @@ def test_config_validation_catches(tmp_path, name, text, error, match):
     path.write_text(text)
     with pytest.raises(error, match=match):
         validate_config_file(path, tmp_path)
-    if name == "acc.yaml":  # and a valid accelerate config passes
+    if name == "acc.yaml":  # and a valid accelerate config passes once the recipe config it runs exists
         path.write_text(text.replace("num_procs", "num_processes"))
+        with pytest.raises(AssertionError, match="recipe config does not exist"):
+            validate_config_file(path, tmp_path)
+        (tmp_path / "c" / "x.yaml").write_text("# python recipes/sft.py --config c/x.yaml\ninit: random\n")
         validate_config_file(path, tmp_path)
 
 
@@ -139,7 +215,10 @@ def test_every_field_is_overridable_from_the_command_line():
                "trainstream.vram_budget": "24GiB", "trainstream.host_arena": "1GiB", "trainstream.peer": False,
                "trainstream.device": "cpu", "trainstream.grads": "host", "trainstream.batch_shape": [2, 8],
                "trainstream.min_activation_bytes": "1MiB", "trainstream.outliers": 0.01,
-               "trainstream.prefetch": 0, "trainstream.overlap_step": True, "trainstream.host_arena_slab": "128MiB"}
+               "trainstream.prefetch": 0, "trainstream.overlap_step": True, "trainstream.host_arena_slab": "128MiB",
+               "mixed_precision": "bf16", "lora.r": 8, "lora.dropout": 0.05,
+               "lora.target_modules": ["q_proj", "v_proj"]}
+    needs = {"trainstream.quantize": ["--lora.r", "16"]}  # a quantized base is frozen: it takes adapters
     leaves = list(_leaves(SFTConfig))
     assert len(leaves) > 30
     for key in leaves:
@@ -157,7 +236,8 @@ def test_every_field_is_overridable_from_the_command_line():
         else:
             raise AssertionError(f"no test value for {key}={old!r}; add one to `changed`")
         text = yaml.safe_dump(new, default_flow_style=True).strip().removesuffix("...").strip()
-        cfg = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml", parse_overrides([f"--{key}", text]))
+        cfg = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml",
+                   parse_overrides([f"--{key}", text] + needs.get(key, [])))
         got = _get(cfg, key)
         assert (list(got) if isinstance(got, tuple) else got) == new, key
         assert got != old, key

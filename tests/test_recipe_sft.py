@@ -64,14 +64,73 @@ def test_engine_gives_the_plain_loop_losses(sft, tmp_path):
     assert (tmp_path / "plain" / "model" / "tokenizer.json").is_file()
 
 
-def test_bad_input_is_named_before_training(sft, tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown option train\.step \(did you mean train\.steps\?\)"):
-        sft(CONFIG + ["--train.step", "5"])
-    with pytest.raises(FileNotFoundError, match=r"data\.train_file: no such file 'nope\.jsonl'"):
-        sft(CONFIG + ["--data.train_file", "nope.jsonl", "--output_dir", str(tmp_path)])
-    with pytest.raises(FileNotFoundError, match=r"model: no such file or directory 'nope/'"):
-        sft(CONFIG + ["--model", "nope/", "--init", "pretrained", "--output_dir", str(tmp_path)])
-    assert not (tmp_path / "summary.json").exists()
+@pytest.mark.parametrize("args, error, match", [
+    (["--train.step", "5"], ConfigError, r"unknown option train\.step \(did you mean train\.steps\?\)"),
+    (["--mixed_precision", "fp16"], ConfigError, r"mixed_precision: expected 'auto' \| 'no' \| 'bf16', got 'fp16'"),
+    (["--lora.rank", "8"], ConfigError, r"unknown option lora\.rank; the options of lora are: r, alpha"),
+    (["--trainstream.quantize", "nf4"], ConfigError, r"packs the base weights.*set lora\.r"),
+    (["--trainstream.quantize", "nf5", "--lora.r", "4"], ConfigError,
+     r"quantize: unknown format 'nf5'; choose one of None, 'int8', 'nf4', 'fp8', 'nvfp4'"),
+    (["--data.train_file", "nope.jsonl"], FileNotFoundError, r"data\.train_file: no such file 'nope\.jsonl'"),
+    (["--data.test_file", "nope.jsonl"], FileNotFoundError, r"data\.test_file: no such file 'nope\.jsonl'"),
+    (["--data.tokenizer", "nope"], FileNotFoundError, r"data\.tokenizer: no tokenizer directory 'nope'"),
+    (["--model", "nope/", "--init", "pretrained"], FileNotFoundError, r"model: no such file or directory 'nope/'"),
+    (["--model", "configs/models/nope.json"], FileNotFoundError,
+     r"model: no such file or directory 'configs/models/nope\.json'"),
+    (["--model", "data", "--init", "pretrained"], FileNotFoundError, r"model: 'data' holds no config\.json"),
+    (["--train.batch_size", "100", "--data.packing", "true", "--data.max_length", "2048"], ConfigError,
+     r"train\.batch_size=100 is larger than the 41 training sequences"),
+])
+def test_bad_input_is_named_and_nothing_is_written(sft, tmp_path, args, error, match):
+    """Each mistake fails before the model is built or trained, with the option's name (and what it accepts), and
+    leaves no output directory behind."""
+    out = tmp_path / "run"
+    with pytest.raises(error, match=match):
+        sft(CONFIG + args + ["--output_dir", str(out)])
+    assert not out.exists()
+
+
+def test_unwritable_output_dir_fails_first(sft, tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(NotADirectoryError, match="output_dir: .* exists and is not a directory"):
+        sft(CONFIG + ["--data.train_file", "nope.jsonl", "--output_dir", str(tmp_path / "taken")])
+
+
+def test_command_line_errors_are_one_line(tmp_path):
+    """Run as a script, a bad option is a one-line error naming it (exit status 1), not a traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "recipes/sft.py", *CONFIG, "--trainstream.grads", "sideways", "--output_dir",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("recipes/sft.py: error: trainstream: grads: 'auto', 'device' or "
+                                                  "'host', got 'sideways'")
+    assert not out.exists()
+
+
+def test_lora_over_a_quantized_base_packed_sequences_bf16(sft, tmp_path, monkeypatch):
+    """The benchmark configs' path on the tiny model: random base packed as nf4 while built, LoRA r=4, 64-token
+    packed sequences, no evaluation, bf16 autocast taken from accelerate launch's variable; the engine runs and
+    only the adapters train."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    out = tmp_path / "run"
+    summary = sft(CONFIG + ["--device", "cpu", "--lora.r", "4", "--lora.alpha", "8", "--trainstream.quantize", "nf4",
+                            "--data.packing", "true", "--data.max_length", "64", "--train.batch_size", "2",
+                            "--train.steps", "4", "--train.log_every", "1", "--train.lr", "0.01",
+                            "--eval.enabled", "false", "--output_dir", str(out)])
+    assert summary["mixed_precision"] == "bf16" and summary["loss"] is None and summary["exact_match"] is None
+    m = summary["model"]
+    assert m["quantize"] == "nf4" and m["lora_r"] == 4 and m["parameters"] > 1_057_920  # base + adapters
+    assert m["trainable"] == 4 * 4 * (4 * (128 + 128) + 3 * (128 + 512))  # layers x r x (q k v o, gate up down)
+    assert summary["timing"]["tokens_per_second"] > 0
+    ts = summary["trainstream"]
+    assert ts["plan"]["paged_blocks"] == [0, 1, 2, 3] and ts["steps_measured"] == 3
+    losses = [loss for _, loss in summary["train_loss"]["curve"]]
+    assert len(losses) == 4 and all(3.0 < x < 5.5 for x in losses)
+    assert json.loads((out / "summary.json").read_text())["model"]["quantize"] == "nf4"
 
 
 def test_shipped_data_is_what_the_generator_makes(tmp_path):

@@ -65,6 +65,9 @@ def test_callback_on_a_plain_trainer(tmp_path):
                       train_dataset=_data(), callbacks=[cb])
     trainer.train()
     assert cb.last["optimizer"]["offloaded_params"] > 0 and ts.engine_of(model) is None
+    # a plain Trainer's log history carries the figures too (logged at steps 2, 4, 6: step 1 closed at step 2)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 3 and all("trainstream/step_seconds" in h for h in logged)
 
 
 def test_command_line_flags():

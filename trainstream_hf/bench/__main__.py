@@ -40,6 +40,7 @@ def main(argv=None) -> None:
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); quant: bf16,bnb_nf4,int8,nf4,fp8,"
                        "fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant")
     args = parser.parse_args(argv)
+    common.ARGV = list(argv) if argv is not None else None  # the JSON's "command"
     if args.suite == "micro":
         from trainstream_hf.bench import micro
         payload, md = micro.run(quick=args.quick)

@@ -17,6 +17,10 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pa
                            "benchmarks", "results")
 
 
+# The suite's arguments as main() received them (sys.argv[1:] when run from the command line).
+ARGV: list[str] | None = None
+
+
 def environment() -> dict:
     """Command, git commit, GPU, versions, host and date of this run."""
     # TRAINSTREAM_COMMIT wins: a copied tree (the GPU machine's) can carry a stale .git.
@@ -31,7 +35,8 @@ def environment() -> dict:
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = os.environ.get("TRAINSTREAM_COMMIT", "unknown"), None
     env = {
-        "command": " ".join([os.path.basename(sys.executable), "-m", "trainstream_hf.bench"] + sys.argv[1:]),
+        "command": " ".join([os.path.basename(sys.executable), "-m", "trainstream_hf.bench"]
+                            + (sys.argv[1:] if ARGV is None else ARGV)),
         "commit": commit,
         "dirty": dirty,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

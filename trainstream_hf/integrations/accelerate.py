@@ -4,13 +4,13 @@ Accelerate has no registry for third-party plugins, so ``TrainStreamAccelerator`
 ``Accelerator``: ``prepare(model, optimizer, ...)`` does what Accelerate does, then wraps the prepared
 model and swaps the prepared optimizer's inner torch optimizer for the engine's (the LR scheduler keeps
 working: both share their param-group dicts). ``TrainStreamPlugin.from_env()`` reads ``TRAINSTREAM``
-("auto" / "on" / "off") and ``TRAINSTREAM_<OPTION>`` variables, so a launch can configure the engine
+("auto" / "on" / "off") and ``TRAINSTREAM_<OPTION>`` variables (parsed and checked by
+:func:`trainstream_hf.auto.env_config`, the same rules as the Trainer route), so a launch can configure the engine
 without code changes in the script beyond using this Accelerator. Targets accelerate 1.15-1.16.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
@@ -20,20 +20,6 @@ from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamPlugin", "TrainStreamAccelerator"]
-
-
-def _parse(value: str):
-    low = value.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", ""):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 @dataclass
@@ -54,17 +40,12 @@ class TrainStreamPlugin:
 
     @classmethod
     def from_env(cls, environ=None) -> "TrainStreamPlugin":
-        """``TRAINSTREAM=on`` and ``TRAINSTREAM_VRAM_BUDGET=24GiB`` style variables (any config field)."""
-        env = os.environ if environ is None else environ
-        names = {f.name for f in fields(TrainStreamConfig)}
-        opts = {}
-        for key, value in env.items():
-            if key.startswith("TRAINSTREAM_") and key != "TRAINSTREAM_TRACE":
-                name = key[len("TRAINSTREAM_"):].lower()
-                if name not in names:
-                    raise ValueError(f"{key}: unknown trainstream option {name!r}; known: {', '.join(sorted(names))}")
-                opts[name] = _parse(value)
-        return cls(enabled=env.get("TRAINSTREAM", "auto"), config=TrainStreamConfig(**opts))
+        """``TRAINSTREAM=on`` and ``TRAINSTREAM_VRAM_BUDGET=24GiB`` style variables (any config field); an unset
+        ``TRAINSTREAM`` means "auto" here (this Accelerator is already an explicit choice)."""
+        from trainstream_hf.auto import env_config
+
+        mode, config = env_config(environ, default="auto")
+        return cls(enabled=mode, config=config if config is not None else TrainStreamConfig())
 
     def active(self) -> bool:
         return self.enabled == "on" or (self.enabled == "auto" and torch.cuda.is_available())

@@ -1,6 +1,6 @@
 """transformers' Trainer: a TrainingArguments flag, a TrainerCallback that installs the engine, a Trainer.
 
-Three ways in, all building one :class:`TrainStreamConfig` and calling the same :func:`wrap`:
+Four ways in, all building one :class:`TrainStreamConfig` and calling the same :func:`wrap`:
 
 * ``TrainStreamTrainingArguments(..., trainstream="auto", trainstream_vram_budget="24GiB")`` with
   ``TrainStreamTrainer`` (or the callback by hand); every option is a ``--trainstream_*`` command-line flag
@@ -8,24 +8,33 @@ Three ways in, all building one :class:`TrainStreamConfig` and calling the same 
 * ``Trainer(..., callbacks=[TrainStreamCallback(vram_budget="24GiB")])`` with any TrainingArguments;
 * ``TrainStreamTrainer``, which adds the callback when the arguments ask for it and puts the engine's
   figures (H2D / D2H GB/s, overlap, peak VRAM, arena use) into every log, so they reach TensorBoard / W&B
-  like the loss does.
+  like the loss does;
+* nothing in the script at all: ``TRAINSTREAM=on`` (+ ``TRAINSTREAM_<OPTION>`` variables) with
+  ``python -m trainstream_hf.auto train.py`` or ``accelerate launch ... -m trainstream_hf.auto train.py`` puts a
+  :class:`TrainStreamEnvCallback` into every Trainer (:mod:`trainstream_hf.auto` says how).
 
 The callback installs the engine when training begins, after the Trainer (through Accelerate) has built and
 prepared its optimizer: the prepared optimizer's inner torch optimizer is replaced by the engine's
 (``AcceleratedOptimizer.optimizer``), and the LR scheduler keeps working because the two share their
-param-group dicts. Targets transformers 5.17-5.24 and accelerate 1.15-1.16.
+param-group dicts. With ``quantize`` set, the frozen linear layers of the model (a PEFT model's base) are packed in
+place first (:func:`quantize_frozen_base`). Targets transformers 5.17-5.24 and accelerate 1.15-1.16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
-__all__ = ["TrainStreamCallback", "TrainStreamTrainingArguments", "TrainStreamTrainer", "log_figures"]
+__all__ = ["TrainStreamCallback", "TrainStreamEnvCallback", "TrainStreamTrainingArguments", "TrainStreamTrainer",
+           "log_figures", "quantize_frozen_base"]
+
+logger = logging.getLogger("trainstream_hf")
 
 _PREFIX = "trainstream_"
 
@@ -43,6 +52,37 @@ def log_figures(stats: dict) -> dict[str, float]:
     if isinstance(opt.get("adam_seconds"), float):
         out["trainstream/cpu_adamw_seconds"] = opt["adam_seconds"]
     return out
+
+
+def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0) -> list[str]:
+    """Packs the frozen ``nn.Linear`` layers of ``model`` in place (a PEFT model's base layers; never a trainable one,
+    never the output head), one layer at a time on the device each weight is on.
+
+    Args:
+        model: the model about to train (e.g. a ``PeftModel``); changed in place, parameter objects of the trainable
+            layers untouched (an optimizer built over them stays valid).
+        quantize: a format of ``trainstream_hf.quant.FORMATS``.
+        outliers: see :class:`~trainstream_hf.QuantLinear`.
+
+    Returns:
+        The qualified names of the layers packed.
+
+    Raises:
+        ValueError: no frozen linear layer (a full fine-tune has nothing to pack).
+    """
+    from trainstream_hf.quant import QuantLinear, quantize_model
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    frozen, keep = [], []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        (frozen if not m.weight.requires_grad and m is not head else keep).append(name)
+    if not frozen:
+        raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
+                         "layer trains): add PEFT LoRA adapters, or leave quantize unset")
+    quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",))
+    return [n for n in frozen if isinstance(model.get_submodule(n), QuantLinear)]
 
 
 class TrainStreamCallback(TrainerCallback):
@@ -65,6 +105,7 @@ class TrainStreamCallback(TrainerCallback):
         self.config = TrainStreamConfig(**base)
         self.model = None
         self.last: dict = {}
+        self.quantized: list[str] = []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None or engine_of(model) is not None:
@@ -81,6 +122,10 @@ class TrainStreamCallback(TrainerCallback):
                                              getattr(getattr(model, "config", None), "max_position_embeddings",
                                                      2048) or 2048)
         cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape)})
+        if cfg.quantize is not None:
+            # Packed here, in place, since the script loaded a dense model; wrap itself takes no quantize.
+            self.quantized = quantize_frozen_base(model, cfg.quantize, cfg.outliers)
+            cfg = replace(cfg, quantize=None, outliers=0.0)
         _, new_opt = wrap(model, inner, cfg)
         if new_opt is not inner:
             if inner is optimizer:
@@ -95,16 +140,75 @@ class TrainStreamCallback(TrainerCallback):
             self.last = self.model.trainstream_stats()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        # Callbacks after this one see the figures; TrainStreamTrainer.log adds them before any does.
+        # Callbacks after this one see the figures; TrainStreamTrainer.log adds them before any does. Trainer.log
+        # (transformers 5.24) appends a copy of ``logs`` to state.log_history just before this event: the figures
+        # go into that record too.
         if logs is not None and self.last:
-            for k, v in log_figures(self.last).items():
+            figures = log_figures(self.last)
+            for k, v in figures.items():
                 logs.setdefault(k, v)
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                for k, v in figures.items():
+                    state.log_history[-1].setdefault(k, v)
 
     def on_train_end(self, args, state, control, **kwargs):
         # The model goes back to an ordinary one holding the trained weights (for save / push / eval).
         if self.model is not None and engine_of(self.model) is not None:
             unwrap(self.model)
         self.model = None
+
+
+class TrainStreamEnvCallback(TrainStreamCallback):
+    """The callback ``TRAINSTREAM=on|auto`` puts into every Trainer (:mod:`trainstream_hf.auto`): the engine's options
+    from ``TRAINSTREAM_<OPTION>`` variables, checked when the Trainer is built.
+
+    It installs the engine at the first step rather than at train begin, so that a ``TrainStreamCallback`` the
+    script gave the Trainer itself (which comes later in the callback list and installs at train begin) wins: this
+    one then finds the engine installed and stays out of the way. ``TRAINSTREAM=auto`` installs on a GPU only.
+
+    Args:
+        environ: the variables (default ``os.environ``).
+
+    Raises:
+        ValueError: a bad ``TRAINSTREAM`` / ``TRAINSTREAM_*`` variable (the message names it and the allowed values).
+    """
+
+    trainstream_env = True  # the marker trainstream_hf.auto looks for in DEFAULT_CALLBACKS
+
+    def __init__(self, environ=None):
+        from trainstream_hf.auto import env_config
+
+        self.mode, config = env_config(environ)
+        super().__init__(config)
+        self.quantized: list[str] = []
+        self._tried = False
+
+    def active(self) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and torch.cuda.is_available())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._tried = False  # each train() call decides again at its first step
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self._tried or not self.active() or getattr(args, "trainstream", None) == "off":
+            return  # (an explicit TrainStreamTrainingArguments(trainstream="off") beats the environment)
+        self._tried = True
+        if model is None or engine_of(model) is not None:
+            return  # the script's own TrainStreamCallback / TrainStreamTrainer installed the engine
+        super().on_train_begin(args, state, control, model=model, optimizer=optimizer, **kwargs)
+        if self.model is not None:
+            plan = self.model.trainstream_plan
+            logger.warning("trainstream_hf: TRAINSTREAM=%s installed the engine in %s (%s): %s%s", self.mode,
+                           type(self.model).__name__, _options_text(self.config),
+                           str(plan).splitlines()[0] if str(plan) else "",
+                           f"; {len(self.quantized)} frozen linear layers packed as {self.config.quantize}"
+                           if self.quantized else "")
+
+
+def _options_text(config: TrainStreamConfig) -> str:
+    default = TrainStreamConfig().to_dict()
+    changed = {k: v for k, v in config.to_dict().items() if v != default.get(k)}
+    return ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "default options"
 
 
 @dataclass
@@ -114,7 +218,8 @@ class TrainStreamTrainingArguments(TrainingArguments):
 
     trainstream: str = field(default="auto", metadata={
         "help": "Install the trainstream engine: 'on', 'off', or 'auto' (on when a GPU is present)."})
-    trainstream_quantize: str | None = field(default=None, metadata={"help": "Frozen base format (issue 4)."})
+    trainstream_quantize: str | None = field(default=None, metadata={
+        "help": "Pack the frozen linear layers (a PEFT model's base) at train begin: int8, nf4, fp8 or nvfp4."})
     trainstream_vram_budget: str = field(default="auto", metadata={
         "help": "Device memory the plan may use: '24GiB', bytes, a fraction like '0.5', or 'auto'."})
     trainstream_host_arena: str = field(default="auto", metadata={"help": "Pinned host memory: 'auto' or a size."})

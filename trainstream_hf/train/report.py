@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import resource
 import statistics
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "write_summary", "format_summary"]
+__all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "check_output_dir", "write_summary",
+           "format_summary"]
 
 
 class StepLog:
@@ -111,12 +113,34 @@ def run_info(device: torch.device, command: str) -> dict:
     return info
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Fails now, before any work, if ``output_dir`` could not be written at the end: it is a file, or its nearest
+    existing ancestor is not a writable directory. Creates nothing.
+
+    Raises:
+        NotADirectoryError, PermissionError: with the option's name and the path.
+    """
+    path = Path(output_dir).absolute()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"output_dir: {output_dir!r} exists and is not a directory")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"output_dir: {output_dir!r} cannot be created: {str(probe)!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"output_dir: {output_dir!r} cannot be written ({str(probe)!r} is not writable)")
+
+
 def write_summary(summary: dict, output_dir: str) -> Path:
-    """Writes ``summary.json`` under ``output_dir`` (created) and returns its path."""
+    """Writes ``summary.json`` under ``output_dir`` (created) and returns its path. The file is written under a
+    temporary name and renamed, so it is either complete or absent."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp = out / ".summary.json.partial"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
 
 
@@ -127,10 +151,13 @@ def _mib(n: float) -> str:
 def format_summary(s: dict) -> str:
     """The summary as a few readable lines (markdown table for the before/after figures)."""
     em, loss = s["exact_match"], s["loss"]
-    lines = ["", "| held-out | before | after |", "|---|---|---|",
-             f"| loss per completion token | {loss['before']:.3f} | {loss['after']:.3f} |",
-             f"| exact match | {em['before']:.1%} ({em['correct_before']}/{em['total']}) | "
-             f"{em['after']:.1%} ({em['correct_after']}/{em['total']}) |", ""]
+    if em is None:
+        lines = ["", "held-out evaluation: off (eval.enabled false)", ""]
+    else:
+        lines = ["", "| held-out | before | after |", "|---|---|---|",
+                 f"| loss per completion token | {loss['before']:.3f} | {loss['after']:.3f} |",
+                 f"| exact match | {em['before']:.1%} ({em['correct_before']}/{em['total']}) | "
+                 f"{em['after']:.1%} ({em['correct_after']}/{em['total']}) |", ""]
     t = s["timing"]
     lines.append(f"{s['steps']} steps in {t['train_seconds']:.1f} s (median step "
                  f"{t['median_step_seconds'] * 1e3:.0f} ms, {t['tokens_per_second']:.0f} tokens/s); "

@@ -10,7 +10,7 @@ from typing import Literal
 
 from trainstream_hf.config import TrainStreamConfig
 
-__all__ = ["DataArgs", "TrainArgs", "EvalArgs", "SFTConfig", "RECIPES"]
+__all__ = ["DataArgs", "TrainArgs", "EvalArgs", "LoraArgs", "SFTConfig", "RECIPES"]
 
 
 def _opt(default, help: str):
@@ -28,7 +28,11 @@ class DataArgs:
     train_file: str = _opt("data/train.jsonl", "Training examples: JSON lines with 'prompt' and 'completion'.")
     test_file: str = _opt("data/test.jsonl", "Held-out examples, same format; evaluated before and after.")
     tokenizer: str = _opt("data/tokenizer", "Local tokenizer directory (tokenizer.json + tokenizer_config.json).")
-    max_length: int = _opt(64, "Longest tokenized example (prompt + completion + specials); longer is an error.")
+    max_length: int = _opt(64, "Longest tokenized example (prompt + completion + specials); longer is an error. "
+                                "With packing: the length of every training sequence.")
+    packing: bool = _opt(False, "Concatenate the tokenized training examples into sequences of exactly max_length "
+                                "tokens (prompt positions still masked out of the loss; attention spans example "
+                                "boundaries), so that a step sees batch_size x max_length tokens.")
 
     def __post_init__(self) -> None:
         if self.max_length < 2:
@@ -64,6 +68,8 @@ class TrainArgs:
 class EvalArgs:
     """Held-out evaluation: teacher-forced loss and greedy exact match, before and after training."""
 
+    enabled: bool = _opt(True, "Evaluate before and after training. false: no evaluation (benchmark configs: random "
+                               "weights have nothing to show, and a model larger than the GPU is never whole on it).")
     examples: int = _opt(300, "Held-out examples to evaluate (the first N of data.test_file); 0: all.")
     batch_size: int = _opt(100, "Examples per evaluation batch.")
     max_new_tokens: int = _opt(12, "Greedy decoding stops at <eos> or after this many tokens.")
@@ -76,6 +82,23 @@ class EvalArgs:
 
 
 @dataclass
+class LoraArgs:
+    """PEFT LoRA adapters; with ``r: null`` every parameter trains (a full fine-tune)."""
+
+    r: int | None = _opt(None, "LoRA rank; null: no adapters, full fine-tune.")
+    alpha: int = _opt(16, "lora_alpha (the update is scaled by alpha / r).")
+    dropout: float = _opt(0.0, "Dropout on the adapters' input.")
+    target_modules: str | list[str] = _opt("all-linear", "Module names to adapt, or 'all-linear' (every linear layer "
+                                                         "but the output head, quantized ones included).")
+
+    def __post_init__(self) -> None:
+        if self.r is not None and self.r < 1:
+            raise ValueError(f"r: at least 1 (or null for a full fine-tune), got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: in [0, 1), got {self.dropout}")
+
+
+@dataclass
 class SFTConfig:
     """Supervised fine-tuning of a causal LM on prompt-completion data (recipes/sft.py)."""
 
@@ -85,6 +108,9 @@ class SFTConfig:
     init: Literal["random", "pretrained"] = _opt(
         "random", "'random': build from the config with random weights; 'pretrained': load local weights.")
     dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "Parameter dtype.")
+    mixed_precision: Literal["auto", "no", "bf16"] = _opt(
+        "auto", "Autocast of the forward pass: 'bf16', 'no', or 'auto': what accelerate launch's config file says "
+                "(its mixed_precision), 'no' without accelerate launch.")
     device: str = _opt("auto", "Compute device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'.")
     seed: int = _opt(0, "Seeds the weights' initialisation and the order of the batches.")
     output_dir: str = _opt("build/sft", "Where summary.json (and the model, with save_model) are written.")
@@ -94,8 +120,16 @@ class SFTConfig:
     data: DataArgs = _section(DataArgs, "Data files and tokenizer.")
     train: TrainArgs = _section(TrainArgs, "Optimisation.")
     eval: EvalArgs = _section(EvalArgs, "Held-out evaluation.")
+    lora: LoraArgs = _section(LoraArgs, "LoRA adapters (r: null trains every parameter).")
     trainstream: TrainStreamConfig = _section(TrainStreamConfig, "Options of trainstream_hf.wrap "
-                                                                   "(TrainStreamConfig fields).")
+                                                                   "(TrainStreamConfig fields); quantize and outliers "
+                                                                   "are applied by the recipe as it builds the base.")
+
+    def __post_init__(self) -> None:
+        if self.trainstream.quantize is not None and self.lora.r is None:
+            raise ValueError(f"trainstream.quantize={self.trainstream.quantize!r} packs the base weights, which then "
+                             "stay frozen: set lora.r (e.g. 16) to train adapters over them, or trainstream.quantize "
+                             "null for a full fine-tune")
 
 
 RECIPES: dict[str, type] = {"sft": SFTConfig}
