@@ -44,6 +44,9 @@ TORCH_LIBRARY(trainstream, m) {
   // float32 / bfloat16 / float16, times the optional per-feature float32 col_scale, -> float8_e4m3fn codes and the
   // float32 (tokens, 1) row scale max|row| / 448 (torch._scaled_mm's row-wise scale_a).
   m.def("quantize_rows_e4m3(Tensor x, Tensor? col_scale) -> (Tensor q, Tensor row_scale)");
+  // Transposed contiguous copy of a 2-D tensor of 1-byte elements (uint8, int8, float8): the FP8 backward's
+  // column-major weight operand. torch's generic strided copy moves bytes at a fraction of memory bandwidth.
+  m.def("transpose_bytes(Tensor x) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -8,6 +8,7 @@ for every split of the layers between resident and offloaded. Counters check tha
 happened (host pages, H2D copies issued ahead of use), so that a cache that silently kept everything
 resident would fail.
 """
+import inspect
 import math
 import warnings
 
@@ -20,6 +21,11 @@ from trainstream_hf.cache import PagedKVCache, TrainStreamCache
 from trainstream_hf.engine.arena import HostArena
 
 transformers.logging.set_verbosity_error()
+
+# transformers 5.24 models and generate() take the cache as ``cache=`` (``past_key_values=`` is deprecated there);
+# 5.17 takes ``past_key_values=`` only (a ``cache=`` would not reach the attention layers).
+_FORWARD_ARGS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+CACHE_KW = "cache" if "cache" in _FORWARD_ARGS else "past_key_values"
 
 VOCAB, HIDDEN, LAYERS = 128, 64, 4
 
@@ -62,7 +68,7 @@ def _prompt(batch=2, length=7, seed=1):
 
 
 def _generate(model, ids, mask, cache=None, new=20, **kw):
-    extra = {} if cache is None else {"cache": cache}
+    extra = {} if cache is None else {CACHE_KW: cache}
     return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
                           pad_token_id=0, **extra, **kw)
 
@@ -108,8 +114,8 @@ def test_forward_loop_logits_exact(family, dtype, resident, slots, prefetch):
     with torch.no_grad():
         for step, x in enumerate(chunks):
             mask = torch.cat([mask, torch.ones_like(x)], 1) if step else mask
-            want = model(input_ids=x, attention_mask=mask, cache=ref_cache, use_cache=True).logits
-            got = model(input_ids=x, attention_mask=mask, cache=cache, use_cache=True).logits
+            want = model(input_ids=x, attention_mask=mask, **{CACHE_KW: ref_cache}, use_cache=True).logits
+            got = model(input_ids=x, attention_mask=mask, **{CACHE_KW: cache}, use_cache=True).logits
             assert torch.equal(got, want), f"step {step}"
     assert cache.get_seq_length() == ref_cache.get_seq_length() == 18
     assert cache.stats()["growths"] == 1 and cache.capacity == 20
@@ -117,8 +123,25 @@ def test_forward_loop_logits_exact(family, dtype, resident, slots, prefetch):
         assert cache.stats()["loads_on_demand"] <= 1
 
 
+def test_mlp_only_layers_hold_no_cache():
+    """Attention-free ("mlp" / "moe") decoder layers get no cache layer (transformers 5.24's DummyLayer; a stand-in
+    on 5.17, whose own DynamicCache gives them a linear-attention layer) and are skipped when offloading."""
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        **{k: v for k, v in _kwargs().items() if k not in ("max_position_embeddings", "bos_token_id", "eos_token_id")},
+        layer_types=["full_attention", "mlp", "full_attention", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, moe_shared_expert_intermediate_size=32)).eval()
+    ids, mask = _prompt()
+    ref = _generate(model, ids, mask, new=10)
+    cache = TrainStreamCache(model, resident=0.0, chunk=4)
+    assert cache.is_dummy == [False, True, False, True] and cache.offloaded_layers == [0, 2]
+    assert torch.equal(_generate(model, ids, mask, cache, new=10), ref)
+    assert cache.get_seq_length() == ids.shape[1] + 10 - 1 and cache.stats()["h2d_bytes"] > 0
+
+
 def test_past_key_values_kwarg_and_arena_pages():
-    """The deprecated ``past_key_values=`` spelling works, and pages can come from a HostArena."""
+    """The ``past_key_values=`` spelling works (deprecated in transformers 5.24, the only one in 5.17), and pages
+    can come from a HostArena."""
     model = _model("qwen2")
     ids, mask = _prompt()
     ref = _generate(model, ids, mask)
@@ -143,7 +166,7 @@ def test_no_per_token_allocations_without_growth(resident):
     ref = _generate(model, ids, mask)
     cache = TrainStreamCache(model, resident=resident, max_cache_len=27)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **{CACHE_KW: cache}, use_cache=True)
     ptrs = [(layer.k.data_ptr(), layer.v.data_ptr()) for layer in cache.layers]
     slots = [t.data_ptr() for t in cache._slot_k + cache._slot_v]
     cache.reset()
@@ -177,6 +200,8 @@ def test_beam_search_reorders():
 
 
 def test_crop_matches_dynamic_cache():
+    """Crops back into the prefill and into the last forward, as assisted decoding does (a crop after every forward
+    while recording: transformers 5.17's sliding DynamicCache layers need it, 5.24's no longer do)."""
     model = _model("mistral")
     ids, _ = _prompt(length=12)
     ref_cache, cache = DynamicCache(config=model.config), TrainStreamCache(model, resident=0.0, chunk=4)
@@ -184,25 +209,30 @@ def test_crop_matches_dynamic_cache():
     cache.activate_past_recording()  # a no-op for PagedKVCache, which keeps every layer's history
     with torch.no_grad():
         for c in (ref_cache, cache):
-            model(input_ids=ids, cache=c, use_cache=True)
-            model(input_ids=ids[:, :1], cache=c, use_cache=True)
+            model(input_ids=ids, **{CACHE_KW: c}, use_cache=True)
+        ref_cache.crop(-3)  # 12 -> 9 tokens: the window of the next query starts before what the slots held
+        cache.crop(-3)
+        x = ids[:, 4:8]  # 4 candidate tokens, 3 of them rejected below
+        assert torch.equal(model(input_ids=x, **{CACHE_KW: cache}).logits,
+                           model(input_ids=x, **{CACHE_KW: ref_cache}).logits)
         ref_cache.crop(-3)
         cache.crop(-3)
-        x = ids[:, 4:6]
-        assert torch.equal(model(input_ids=x, cache=cache).logits, model(input_ids=x, cache=ref_cache).logits)
-    assert cache.get_seq_length() == 12
+        x = ids[:, 8:10]
+        assert torch.equal(model(input_ids=x, **{CACHE_KW: cache}).logits,
+                           model(input_ids=x, **{CACHE_KW: ref_cache}).logits)
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == 12
 
 
 def test_batch_size_change():
     model = _model("llama")
     cache = TrainStreamCache(model, resident=0.5)
     with torch.no_grad():
-        model(input_ids=torch.randint(3, VOCAB, (2, 5)), cache=cache)
+        model(input_ids=torch.randint(3, VOCAB, (2, 5)), **{CACHE_KW: cache})
         with pytest.raises(ValueError, match="batch size changed mid-generation"):
-            model(input_ids=torch.randint(3, VOCAB, (3, 1)), cache=cache)
+            model(input_ids=torch.randint(3, VOCAB, (3, 1)), **{CACHE_KW: cache})
         cache.reset()  # an empty cache takes a new batch size
         ids = torch.randint(3, VOCAB, (3, 5))
-        got = model(input_ids=ids, cache=cache).logits
+        got = model(input_ids=ids, **{CACHE_KW: cache}).logits
     assert torch.equal(got, model(input_ids=ids).logits)
 
 

@@ -259,3 +259,27 @@ def test_quantize_rows_bad_input(case, exc, msg):
         cs = torch.ones(32, dtype=torch.bfloat16)
     with pytest.raises(exc, match=msg):
         ops.quantize_rows_e4m3(x, cs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transpose_bytes (the FP8 backward's column-major weight)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (64, 64), (130, 200), (256, 4096)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.int8])
+def test_transpose_bytes_equals_reference(shape, dtype):
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(dtype)
+    out = ops.transpose_bytes(x)
+    assert out.dtype == dtype and out.shape == (shape[1], shape[0]) and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), ops.transpose_bytes_reference(x).view(torch.uint8))
+    assert torch.equal(out.view(torch.uint8), x.view(torch.uint8).t())
+
+
+def test_transpose_bytes_opcheck_and_bad_input():
+    x = torch.randint(0, 256, (33, 70), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    torch.library.opcheck(torch.ops.trainstream.transpose_bytes.default, (x,))
+    with pytest.raises(ValueError, match="2-D"):
+        ops.transpose_bytes(torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="1-byte"):
+        ops.transpose_bytes(torch.zeros(4, 4))

@@ -28,6 +28,9 @@ per token. Sliding-window layers keep their whole history but return (and copy) 
 as ``DynamicSlidingWindowLayer`` does, so outputs match ``DynamicCache`` bit for bit.
 
 On a CPU compute device the same code runs with plain CPU tensors and synchronous copies (CI).
+
+Runs on transformers 5.17 and 5.24 alike (see the version shims below). Hand it to the model or ``generate()``
+as ``cache=`` on 5.24, as ``past_key_values=`` on 5.17 (where ``cache=`` is not the cache argument).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import math
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.streams import Transfer, TransferStreams
@@ -44,6 +47,98 @@ from trainstream_hf.engine.streams import Transfer, TransferStreams
 __all__ = ["PagedKVCache", "TrainStreamCache"]
 
 _SLIDING = ("sliding_attention", "chunked_attention")  # same cache behaviour; only the mask differs
+
+
+# -- transformers version shims (5.17.0 and 5.24.0; pyproject: transformers>=5.17) ----------------------------
+# Written against 5.24.0. What 5.17.0 does differently, and how it is bridged (everything else in this module is
+# version-free):
+#
+# * ``cache_utils.DummyLayer`` (the no-cache layer of KV-sharing consumers, Gemma 3n / 4, and of MLP-only layers)
+#   does not exist in 5.17: there a KV-sharing cache simply has fewer layers, and "moe" / "mlp" layers get a
+#   LinearAttentionLayer. 5.17's ``Cache`` handles a layer that is not a ``CacheLayerMixin`` as 5.24's handles a
+#   DummyLayer (``get_seq_length()`` / ``get_mask_sizes`` look past it to the first attention layer; the batch,
+#   early-init and compile checks skip it), so ``_NoCacheLayer`` stands in for it there and both versions build
+#   the same layers.
+# * ``Cache.is_dummy`` (5.24) is missing in 5.17: ``PagedKVCache.is_dummy`` defines it for both.
+# * ``get_layer_types_and_kwargs``: 5.24 returns the types of all ``num_hidden_layers`` ("dummy" for consumers and
+#   MLP-only layers) and one kwargs dict per layer; 5.17 returns one kwargs dict for all layers and drops the last
+#   ``num_kv_shared_layers`` types (the consumers). ``_layer_types`` returns the 5.24 form on both.
+# * ``config.kv_sharing_modes`` (5.24: None / "store" / "reuse" per layer) is missing in 5.17, whose Gemma 3n / 4
+#   attention modules compute the same thing inline from ``num_kv_shared_layers`` (``store_full_length_kv``):
+#   ``_layer_types`` does that computation on 5.17, so the producers stay resident there too.
+# * ``Cache.max_cache_len`` is a deprecated read-only property in 5.17 (an AttributeError on assignment), gone in
+#   5.24: ``PagedKVCache`` shadows it with a plain attribute.
+# * Callers (not this module): 5.24 models and ``generate()`` take ``cache=`` (``past_key_values=`` deprecated);
+#   5.17 ones take ``past_key_values=`` only (a ``cache=`` there is not the cache). The layers' ``update`` /
+#   ``get_mask_sizes`` / ``lazy_initialization`` signatures and ``Cache.update(k, v, layer_idx, ...)`` are the same
+#   in both (5.24 passes an extra ``kwargs=`` to ``update``, which ``PagedKVCache.update`` accepts and ignores).
+try:
+    from transformers.cache_utils import DummyLayer as _NoCacheLayer  # in 5.24.0, not in 5.17.0
+except ImportError:  # transformers 5.17.0
+    class _NoCacheLayer:
+        """Stand-in for 5.24's ``cache_utils.DummyLayer``: a layer that stores no K/V."""
+
+        supports_early_init = False
+        is_compileable = True
+        is_croppable = True
+
+        def __init__(self, **kwargs):
+            self.is_initialized = True
+            self.keys = self.values = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if key_states is None and value_states is None:
+                return None, None
+            raise NotImplementedError("PagedKVCache: this layer stores no K/V (KV-sharing consumer or MLP-only layer)")
+
+        def offload(self): ...
+        def prefetch(self): ...
+        def reset(self): ...
+        def crop(self, tokens_to_remove: int): ...
+        def reorder_cache(self, beam_idx): ...
+        def batch_repeat_interleave(self, repeats: int): ...
+        def batch_select_indices(self, indices): ...
+
+        def get_max_length(self) -> int:
+            return -1
+
+
+def _layer_types(text) -> tuple[list[str], list[dict], list[str | None]]:
+    """``(types, per-layer kwargs, kv_sharing_modes)`` of the decoder layers, in 5.24's form on both versions.
+
+    ``kv_sharing_modes``, per layer: "store" (a KV-sharing producer: later layers of the same forward reuse the
+    K/V it returns), "reuse" (a consumer, no cache of its own, typed "dummy") or None.
+    """
+    types, kwargs = get_layer_types_and_kwargs(text)
+    if not isinstance(kwargs, dict):  # transformers 5.24
+        return list(types), list(kwargs), list(getattr(text, "kv_sharing_modes", None) or [None] * len(types))
+    # transformers 5.17: one kwargs dict for all layers; the last ``num_kv_shared_layers`` types cut off
+    types, n, shared = list(types), len(types), getattr(text, "num_kv_shared_layers", None)
+    modes = [None] * n
+    if shared is not None:  # Gemma 3n / 4: what their 5.17 attention computes inline (``is_kv_shared_layer``,
+        # ``store_full_length_kv``), the rule of 5.24's ``kv_sharing_modes``: the consumers reuse the K/V returned
+        # by the last non-consumer layer of their type, which stores it even when no layer reuses it.
+        n = text.num_hidden_layers
+        first = n - shared  # == len(types) after 5.17's cut
+        # (no layer_types: 5.17 inferred one type for all layers, so the cut-off ones are of that type too)
+        all_types = list(getattr(text, "layer_types", None) or types + types[-1:] * (n - len(types)))
+        if first <= 0:
+            types, modes = ["dummy"] * n, ["reuse"] * n
+        else:
+            if set(all_types[:first]) != set(all_types):
+                raise ValueError("the set of layer types producing a cache is different than the set of layer types "
+                                 "using them")
+            modes = [None if i < first else "reuse" for i in range(n)]
+            for t in set(all_types):
+                modes[first - 1 - all_types[:first][::-1].index(t)] = "store"
+            types = types[:first] + ["dummy"] * (n - first)
+    types = ["dummy" if t in ("moe", "mlp") else t for t in types]  # 5.24 maps these to "dummy" itself
+    kwargs = [{"sliding_window": text.sliding_window} if t == "sliding_attention" else
+              {"sliding_window": text.attention_chunk_size} if t == "chunked_attention" else {} for t in types]
+    return types, kwargs, modes
+
+
+# -- end of the version shims ------------------------------------------------------------------------------------
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -108,6 +203,8 @@ class PagedKVCache(Cache):
             a bad ``resident`` / ``slots`` / ``prefetch`` / ``chunk``.
     """
 
+    max_cache_len: int | None = None  # shadows 5.17's read-only Cache.max_cache_len property (see the shims)
+
     def __init__(self, model, *, resident: float = 0.0, resident_layers: int | None = None,
                  max_cache_len: int | None = None, chunk: int = 256, slots: int = 2, prefetch: int = 1,
                  arena: HostArena | None = None, streams: TransferStreams | None = None):
@@ -118,7 +215,7 @@ class PagedKVCache(Cache):
             raise ValueError("PagedKVCache: encoder-decoder models are not supported (decoder-only LMs only)")
         text = config.get_text_config(decoder=True)
         try:
-            types, kwargs = get_layer_types_and_kwargs(text)
+            types, kwargs, modes = _layer_types(text)
         except (AttributeError, TypeError, ValueError) as e:
             raise ValueError(f"PagedKVCache: cannot read the decoder layers of {type(config).__name__}: {e}") from e
         bad = sorted({t for t in types if t not in ("full_attention", "dummy", *_SLIDING)})
@@ -131,7 +228,6 @@ class PagedKVCache(Cache):
         n_res = _resident_count(resident, resident_layers, len(attn))
         # KV-sharing producers (Gemma 4) hand their returned K/V to later layers of the same forward: a
         # slot could be overwritten before those read it, so they stay resident.
-        modes = getattr(text, "kv_sharing_modes", None) or [None] * len(types)
         movable = [i for i in attn if modes[i] != "store"]
         m = min(len(attn) - n_res, len(movable))
         offloaded = [movable[(k + 1) * len(movable) // m - 1] for k in range(m)]  # evenly spread
@@ -140,7 +236,7 @@ class PagedKVCache(Cache):
                              f"needs a slot besides the running one), got slots={slots}, prefetch={prefetch}")
         if chunk < 1 or (max_cache_len is not None and max_cache_len < 1):
             raise ValueError(f"PagedKVCache: chunk and max_cache_len must be >= 1, got {chunk}, {max_cache_len}")
-        layers = [DummyLayer() if t == "dummy" else
+        layers = [_NoCacheLayer() if t == "dummy" else
                   _PagedLayer(i not in offloaded, kw.get("sliding_window") if t in _SLIDING else None)
                   for i, (t, kw) in enumerate(zip(types, kwargs))]
         super().__init__(layers=layers)
@@ -224,6 +320,11 @@ class PagedKVCache(Cache):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("PagedKVCache: the batch size is fixed for a generation (no batch_select_indices)")
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        """Whether each layer stores no K/V (``Cache.is_dummy`` of transformers 5.24, defined for 5.17 too)."""
+        return [isinstance(layer, _NoCacheLayer) for layer in self.layers]
 
     # -- public extras ----------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -18,7 +18,8 @@ __all__ = [
     "quantize_nvfp4", "dequantize_nvfp4", "quantize_nvfp4_reference", "dequantize_nvfp4_reference",
     "dequantize_int8", "dequantize_fp8", "quantize_int8_reference", "dequantize_int8_reference",
     "quantize_fp8_reference", "dequantize_fp8_reference",
-    "quantize_rows_e4m3", "quantize_rows_e4m3_reference", "has_kernel",
+    "quantize_rows_e4m3", "quantize_rows_e4m3_reference", "has_kernel", "transpose_bytes",
+    "transpose_bytes_reference",
 ]
 
 
@@ -525,3 +526,28 @@ def quantize_rows_e4m3_reference(x: torch.Tensor, col_scale: torch.Tensor | None
         v = v * col_scale
     s = v.abs().amax(dim=1, keepdim=True) / E4M3_MAX
     return _safe_div(v, s.expand_as(v)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+# --------------------------------------------------------------------------------------------
+# transpose_bytes (the FP8 backward's column-major weight operand, trainstream_hf/quant/matmul.py)
+# --------------------------------------------------------------------------------------------
+
+def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x.t().contiguous()`` for a 2-D tensor of 1-byte elements (uint8, int8, float8), same dtype.
+
+    On CUDA a tiled shared-memory kernel: torch's generic strided copy reads or writes one side a byte at a time,
+    far below memory bandwidth, and the FP8 backward transposes every weight it multiplies.
+    """
+    return torch.ops.trainstream.transpose_bytes.default(x)
+
+
+@torch.library.register_fake("trainstream::transpose_bytes")
+def _transpose_bytes_fake(x):
+    torch._check(x.dim() == 2, lambda: "transpose_bytes: x must be 2-D")
+    torch._check(x.element_size() == 1, lambda: f"transpose_bytes: x must have 1-byte elements, got {x.dtype}")
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
+def transpose_bytes_reference(x: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch :func:`transpose_bytes` (through uint8: a float8 strided copy is not supported everywhere)."""
+    return x.view(torch.uint8).t().contiguous().view(x.dtype)

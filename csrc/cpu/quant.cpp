@@ -429,6 +429,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cpu(const at::Tensor& x,
 }  // namespace trainstream
 
 
+namespace trainstream {
+
+// The CPU has no layout constraint worth a kernel: torch's transposing copy.
+at::Tensor transpose_bytes_cpu(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "transpose_bytes: x must be 2-D, got shape ", x.sizes());
+  TORCH_CHECK_TYPE(x.element_size() == 1, "transpose_bytes: x must have 1-byte elements, got ", x.scalar_type());
+  return x.t().contiguous();
+}
+
+}  // namespace trainstream
+
 TORCH_LIBRARY_IMPL(trainstream, CPU, m) {
   m.impl("quantize_nf4", &trainstream::quantize_nf4_cpu);
   m.impl("dequantize_nf4", &trainstream::dequantize_nf4_cpu);
@@ -437,4 +448,5 @@ TORCH_LIBRARY_IMPL(trainstream, CPU, m) {
   m.impl("dequantize_int8", &trainstream::dequantize_int8_cpu);
   m.impl("dequantize_fp8", &trainstream::dequantize_fp8_cpu);
   m.impl("quantize_rows_e4m3", &trainstream::quantize_rows_e4m3_cpu);
+  m.impl("transpose_bytes", &trainstream::transpose_bytes_cpu);
 }

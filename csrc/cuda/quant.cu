@@ -562,6 +562,50 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_e4m3_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Byte transpose (the FP8 backward's column-major weight). Tiles of 64 x 64 bytes staged in shared memory: each of
+// the 256 threads reads 16 contiguous bytes of one input row (a warp reads 8 rows x 64 bytes) and writes 16
+// contiguous bytes of one output row, gathered down a column of the tile. The tile's pitch of 68 bytes keeps those
+// column reads at most 2-way bank-conflicted. Edge tiles, and rows whose length is not a multiple of 16 bytes, go
+// byte by byte (same result).
+constexpr int kTile = 64, kTilePitch = 68;
+
+__global__ void __launch_bounds__(kThreads) transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t rows,
+                                                                   int64_t cols, bool vec_in, bool vec_out,
+                                                                   uint8_t* __restrict__ out) {
+  __shared__ uint32_t tile_words[kTile * kTilePitch / 4];
+  uint8_t* tile = reinterpret_cast<uint8_t*>(tile_words);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile, c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int a = threadIdx.x / 4, b = (threadIdx.x % 4) * 16;  // tile row a, bytes [b, b + 16)
+  {
+    const int64_t r = r0 + a, c = c0 + b;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(tile + a * kTilePitch + b);
+    if (vec_in && r < rows && c + 16 <= cols) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(in + r * cols + c));
+      dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) tile[a * kTilePitch + b + i] = (r < rows && c + i < cols) ? in[r * cols + c + i] : 0;
+    }
+  }
+  __syncthreads();
+  // Output row c0 + a (input column), bytes [r0 + b, r0 + b + 16) (input rows).
+  const int64_t orow = c0 + a, ocol = r0 + b;
+  if (orow >= cols) return;
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[k] = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[k] |= static_cast<uint32_t>(tile[(b + 4 * k + i) * kTilePitch + a]) << (8 * i);
+  }
+  if (vec_out && ocol + 16 <= rows) {
+    *reinterpret_cast<uint4*>(out + orow * rows + ocol) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    for (int i = 0; i < 16 && ocol + i < rows; ++i) out[orow * rows + ocol + i] = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Host side: checks (same messages and exception types as the CPU kernels), dtype dispatch, launches.
 
 void check_weight(const at::Tensor& w, const char* op, int64_t multiple) {
@@ -825,6 +869,26 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cuda(const at::Tensor& x,
   return {q, row_scale};
 }
 
+at::Tensor transpose_bytes_cuda(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "transpose_bytes: x must be 2-D, got shape ", x.sizes());
+  TORCH_CHECK_TYPE(x.element_size() == 1, "transpose_bytes: x must have 1-byte elements, got ", x.scalar_type());
+  TORCH_CHECK(x.is_cuda(), "transpose_bytes: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), cols = xc.size(1);
+  at::Tensor out = at::empty({cols, rows}, xc.options());
+  if (rows == 0 || cols == 0) return out;
+  TORCH_CHECK(ceil_div(rows, kTile) <= 65535, "transpose_bytes: too many rows for one launch (", rows, ")");
+  TORCH_CHECK(ceil_div(cols, kTile) <= 0x7fffffff, "transpose_bytes: too many columns for one launch (", cols, ")");
+  const dim3 grid(static_cast<unsigned int>(ceil_div(cols, kTile)), static_cast<unsigned int>(ceil_div(rows, kTile)));
+  const auto* in = reinterpret_cast<const uint8_t*>(xc.data_ptr());
+  auto* o = reinterpret_cast<uint8_t*>(out.data_ptr());
+  transpose_bytes_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      in, rows, cols, cols % 16 == 0 && aligned16(in), rows % 16 == 0 && aligned16(o), o);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace trainstream
 
 
@@ -836,4 +900,5 @@ TORCH_LIBRARY_IMPL(trainstream, CUDA, m) {
   m.impl("dequantize_int8", &trainstream::dequantize_int8_cuda);
   m.impl("dequantize_fp8", &trainstream::dequantize_fp8_cuda);
   m.impl("quantize_rows_e4m3", &trainstream::quantize_rows_e4m3_cuda);
+  m.impl("transpose_bytes", &trainstream::transpose_bytes_cuda);
 }

@@ -9,6 +9,7 @@
   offloaded bytes (less the slots).
 """
 import gc
+import inspect
 
 import pytest
 import torch
@@ -18,6 +19,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from trainstream_hf.cache import PagedKVCache, TrainStreamCache
 
 transformers.logging.set_verbosity_error()
+
+# transformers 5.24 models and generate() take the cache as ``cache=`` (``past_key_values=`` is deprecated there);
+# 5.17 takes ``past_key_values=`` only (a ``cache=`` would not reach the attention layers).
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 def _llama(dtype=torch.float32, attn="sdpa", layers=4, hidden=256, heads=4, kv_heads=2, vocab=512):
@@ -46,7 +51,7 @@ def test_generate_matches_dynamic_cache_cuda(attn, dtype, resident):
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = model.generate(ids, **kw)
     cache = TrainStreamCache(model, resident=resident, max_cache_len=ids.shape[1] + 24)
-    out = model.generate(ids, cache=cache, **kw)
+    out = model.generate(ids, **{CACHE_KW: cache}, **kw)
     assert torch.equal(out, ref), f"first difference at token {(out != ref).nonzero()[:1].tolist()}"
     stats = cache.stats()
     assert stats["loads_on_demand"] == 0 and stats["growths"] == 0
@@ -65,10 +70,11 @@ def test_growth_and_beam_search_cuda():
     ids = _ids()
     kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     cache = TrainStreamCache(model, resident=0.25, chunk=8)  # grows every 8 tokens
-    assert torch.equal(model.generate(ids, cache=cache, **kw), model.generate(ids, **kw))
+    assert torch.equal(model.generate(ids, **{CACHE_KW: cache}, **kw), model.generate(ids, **kw))
     assert cache.stats()["growths"] == 2
     cache = TrainStreamCache(model, resident=0.5, chunk=8)
-    assert torch.equal(model.generate(ids, cache=cache, num_beams=3, **kw), model.generate(ids, num_beams=3, **kw))
+    assert torch.equal(model.generate(ids, **{CACHE_KW: cache}, num_beams=3, **kw),
+                       model.generate(ids, num_beams=3, **kw))
 
 
 def _config(layers=6, kv_heads=4, head_dim=64):
@@ -127,14 +133,14 @@ def test_update_does_not_sync_the_host():
 def _decode_peak(model, ids, cache, new):
     """Prefill, then ``new`` greedy steps; returns (tokens, peak bytes allocated during the decode)."""
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         del out
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         tokens = [nxt]
         for _ in range(new - 1):
-            logits = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=nxt, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(nxt)
         torch.cuda.synchronize()

@@ -444,3 +444,20 @@ if __name__ == "__main__":
     measure_bandwidth()
     measure_bandwidth(dtype=torch.float16)
     measure_fp8_path()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transpose_bytes: the CUDA tile kernel against the CPU, bit for bit, edges and misaligned views included
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (64, 64), (65, 129), (130, 200), (1024, 4096), (4096, 1040)])
+def test_transpose_bytes_cuda_equals_cpu(shape):
+    g = torch.Generator().manual_seed(shape[0] + 31 * shape[1])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    want = ops.transpose_bytes(x)
+    assert torch.equal(ops.transpose_bytes(x.cuda()).cpu(), want)
+    assert torch.equal(ops.transpose_bytes(x.cuda().view(torch.float8_e4m3fn)).view(torch.uint8).cpu(), want)
+    # A view at an odd offset takes the byte path: same bytes.
+    big = torch.randint(0, 256, (shape[0] * shape[1] + 1,), dtype=torch.uint8, generator=g)
+    view = big.cuda()[1:].view(shape)
+    assert torch.equal(ops.transpose_bytes(view).cpu(), big[1:].view(shape).t().contiguous())

@@ -213,9 +213,9 @@ def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tenso
         return _dequant_backward(dy, q)
     k = q.shape[1]
     gq, sg = quantize_rows_e4m3(dy, q.tensors["scale"])  # dy * s_w, per token to E4M3
-    # The (N, K) operand column-major = a row-major (K, N) copy, viewed back; transposed as bytes (uint8 copies are
-    # supported everywhere float8 ones may not be).
-    w_t = q.tensors["data"].view(torch.uint8).t().contiguous().view(torch.float8_e4m3fn)
+    # The (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled byte transpose: torch's strided
+    # copy moves bytes at a fraction of memory bandwidth).
+    w_t = ops.transpose_bytes(q.tensors["data"])
     ones = torch.ones((1, k), dtype=torch.float32, device=dy.device)
     return torch._scaled_mm(gq, w_t.t(), scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
 
