@@ -320,3 +320,11 @@ def test_config_budgets_resolve():
     # What a user writes in TrainStreamConfig resolves to bytes.
     for v, want in [("512MiB", 512 * 2**20), (2**33, 2**33)]:
         assert planner.resolve_budget(TrainStreamConfig(vram_budget=v).vram_budget, CPU) == want
+
+
+def test_measure_head_is_cuda_only():
+    # Off CUDA there are no allocator statistics: the plan keeps its formula (the GPU test checks the measured one).
+    model = _llama()
+    assert planner.measure_head(model, SHAPE, CPU) is None
+    analytic = _plan(model).logits_bytes
+    assert _plan(model, head_bytes=12345).logits_bytes == 12345 != analytic

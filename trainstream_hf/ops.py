@@ -19,7 +19,7 @@ __all__ = [
     "dequantize_int8", "dequantize_fp8", "quantize_int8_reference", "dequantize_int8_reference",
     "quantize_fp8_reference", "dequantize_fp8_reference",
     "quantize_rows_e4m3", "quantize_rows_e4m3_reference", "has_kernel", "transpose_bytes",
-    "transpose_bytes_reference",
+    "transpose_bytes_reference", "div_scalar",
 ]
 
 
@@ -36,6 +36,13 @@ def has_kernel(op: str, device: torch.device | str) -> bool:
     """
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"trainstream::{op}", key)
+
+
+def div_scalar(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` correctly rounded on every device. CUDA divides a tensor by a Python scalar as a multiplication by
+    the scalar's float32 reciprocal, one ulp off for some inputs (found on the H200: a different NVFP4 tensor scale
+    than the CPU's); a divisor that lives on the tensor's device takes the true division."""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,7 +290,7 @@ def quantize_nf4_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     centred = absmax - offset
     padded = torch.zeros(ng * NF4_GROUP, dtype=torch.float32, device=x.device)
     padded[:nb] = centred
-    absmax_scale = padded.view(ng, NF4_GROUP).abs().amax(dim=1) / E4M3_MAX
+    absmax_scale = div_scalar(padded.view(ng, NF4_GROUP).abs().amax(dim=1), E4M3_MAX)
     absmax_q = _safe_div(centred, absmax_scale.repeat_interleave(NF4_GROUP)[:nb]).to(torch.float8_e4m3fn)
     d = _nf4_block_absmax(absmax_q, absmax_scale, offset)
     v = _safe_div(x, d[:, None].expand_as(x))
@@ -362,8 +369,8 @@ def quantize_nvfp4_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     x = weight.float().view(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
     bmax = x.abs().amax(dim=-1)
     _check_finite("quantize_nvfp4", bmax)
-    tensor_scale = bmax.amax() / (E4M3_MAX * E2M1_MAX)
-    block_scale = _safe_div(bmax / E2M1_MAX, tensor_scale.expand_as(bmax)).to(torch.float8_e4m3fn)
+    tensor_scale = div_scalar(bmax.amax(), E4M3_MAX * E2M1_MAX)
+    block_scale = _safe_div(div_scalar(bmax, E2M1_MAX), tensor_scale.expand_as(bmax)).to(torch.float8_e4m3fn)
     t = (tensor_scale * block_scale.float())[..., None]
     v = _safe_div(x, t.expand_as(x))
     a = v.abs()
@@ -445,7 +452,7 @@ def quantize_int8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     x = weight.float()
     amax = x.abs().amax(dim=1)
     _check_finite("quantize_int8", amax)
-    scale = amax / 127.0
+    scale = div_scalar(amax, 127.0)
     q = torch.round(_safe_div(x, scale[:, None].expand_as(x))).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -467,7 +474,7 @@ def quantize_fp8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     x = weight.float()
     amax = x.abs().amax(dim=1)
     _check_finite("quantize_fp8", amax)
-    scale = amax / E4M3_MAX
+    scale = div_scalar(amax, E4M3_MAX)
     v = _safe_div(x, scale[:, None].expand_as(x)).clamp_(-E4M3_MAX, E4M3_MAX)
     return v.to(torch.float8_e4m3fn), scale
 
@@ -524,7 +531,7 @@ def quantize_rows_e4m3_reference(x: torch.Tensor, col_scale: torch.Tensor | None
     v = x.float()
     if col_scale is not None:
         v = v * col_scale
-    s = v.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    s = div_scalar(v.abs().amax(dim=1, keepdim=True), E4M3_MAX)
     return _safe_div(v, s.expand_as(v)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 

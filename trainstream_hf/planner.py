@@ -26,7 +26,7 @@ from torch import nn
 from trainstream_hf.config import parse_bytes
 
 __all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
-           "measure_activation_bytes", "activation_bytes_per_token"]
+           "measure_activation_bytes", "activation_bytes_per_token", "measure_head"]
 
 GiB = 2**30
 # Parameters smaller than this stay with the device optimizer even when optimizer state is offloaded:
@@ -304,6 +304,45 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
     return BlockMeasure(sum(seen.values()), found["input"], found["t"])
 
 
+def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.device) -> int | None:
+    """Peak device bytes of the model's head for one micro-batch, measured on CUDA: final norm, LM head and loss on
+    random hidden states, then the gradient back to those hidden states (the moment the plan calls "logits").
+
+    The analytic ``tokens * vocab * (dtype + 4 + 4)`` missed the loss's own float32 temporaries: the plan's
+    peak came out 13% low on the H200 (tests/gpu/test_plan_cuda.py, 2026-12-03). Returns None off CUDA (no
+    allocator statistics) or when the model has no recognisable head (no output embeddings, no
+    ``loss_function``); the plan then keeps the formula. Resets the device's peak-memory statistics. Logit
+    soft-capping or scaling inside the model's forward (Gemma 2, Cohere) is not run here.
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    loss_fn = getattr(base, "loss_function", None)
+    vocab = getattr(getattr(base, "config", None), "vocab_size", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or loss_fn is None or not vocab or weight.device != torch.device(device) or weight.dim() != 2:
+        return None
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    norm = next((getattr(decoder, n) for n in ("norm", "final_layernorm", "ln_f")
+                 if isinstance(getattr(decoder, n, None), nn.Module)), None)
+    b, t = batch_shape
+    dtype = weight.dtype if weight.dtype.is_floating_point else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    torch.cuda.synchronize(device)
+    with torch.enable_grad():
+        hidden = torch.randn(b, t, weight.shape[1], device=device, dtype=dtype, generator=g, requires_grad=True)
+        labels = torch.randint(0, int(vocab), (b, t), device=device, generator=g)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        x = norm(hidden) if norm is not None else hidden
+        loss = loss_fn(logits=head(x), labels=labels, vocab_size=int(vocab))
+        torch.autograd.grad(loss, [hidden])  # no parameter gradients: the plan counts those separately
+        del x, loss
+        peak = torch.cuda.max_memory_allocated(device) - start
+    return int(peak)
+
+
 def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int],
                              device: torch.device) -> int | None:
     """Saved-tensor bytes of ``block`` for one micro-batch (see :func:`measure_block`)."""
@@ -320,7 +359,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          offload_activations="auto", page_weights="auto", slots: int = 2, prefetch: int = 1,
          margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL,
          activation_bytes: int | None = None, input_bytes: int | None = None,
-         forward_seconds: float | None = None, recompute="auto") -> Plan:
+         forward_seconds: float | None = None, recompute="auto", head_bytes: int | None = None) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -342,6 +381,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         recompute: ``"auto"`` (checkpoint blocks whose activations cannot move to the host for free),
             ``True`` (every block that supports it) or ``False``. Only transformers'
             ``GradientCheckpointingLayer`` blocks can be recomputed.
+        head_bytes: peak bytes of the head (norm, LM head, loss and their backward), measured (see
+            :func:`measure_head`); None: ``tokens x vocab x (dtype + 8)``.
 
     Raises:
         BudgetError: when even the most offloaded plan does not fit, with the minimum it needs.
@@ -374,7 +415,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                                      per_block_act, input_bytes=int(input_bytes),
                                      can_recompute=_can_recompute(b)))
     # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
-    logits = tokens * vocab * (act_dtype_bytes + 4 + 4)
+    logits = tokens * vocab * (act_dtype_bytes + 4 + 4) if head_bytes is None else int(head_bytes)
     nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)
 
     def nbytes(params) -> int:

@@ -7,6 +7,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import trainstream_hf as ts
 
+# The reference runs torch.optim.AdamW's single-tensor implementation (foreach=False), the formula the CPU kernel
+# reproduces. On CUDA torch defaults to foreach, which updates exp_avg with lerp: a different rounding, and 1.5e-5
+# apart from the single-tensor result after 20 steps at lr 1e-3 (measured on the H200, 2026-12-03).
+REF = dict(foreach=False)
+
 FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True, min_activation_bytes=0,
              min_offload_numel=0, vram_budget="64GiB")
 
@@ -56,7 +61,7 @@ def test_paging_and_activation_offload_bit_exact_cuda(dtype):
 def test_offloaded_adamw_with_paging_matches_torch_cuda(grads):
     ref = _llama(torch.float32)
     model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, **REF)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = ts.wrap(model, opt, **FORCE, grads=grads)
     assert type(opt).__name__ == "OffloadedAdamW" and ts.engine_of(model).pager.paged_parameters()
@@ -109,7 +114,7 @@ def test_overlapped_step_on_cuda_matches_torch(grads):
     weights' H2D events. Same parameters as torch.optim.AdamW after 20 steps."""
     ref = _llama(torch.float32)
     model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, **REF)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = ts.wrap(model, opt, offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB",
                          page_weights=False, offload_activations=False, grads=grads)

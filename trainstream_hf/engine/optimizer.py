@@ -273,6 +273,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 # a pager prefetch may still read a sink; our host writes must not race it
                 sink_free = self.streams.h2d.record_event()
         self._grads.collect()  # all D2H copies are in flight before the first is waited on
+        if cuda and self.overlap_step and self.grads_mode == "device":
+            # The next forward must not start allocating while every device gradient is still held for its copy
+            # (they would sit beside its activations: measured out of memory on the H200). Wait for the copies;
+            # 'host' gradients avoid this wait by leaving during backward.
+            self.streams.d2h.synchronize()
         if self._device_opt is not None:
             for g, dg in self._device_groups:
                 dg.update({k: v for k, v in g.items() if k != "params"})

@@ -135,8 +135,8 @@ def quantize_nvfp4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     rows, cols = x.shape
     xb = x.float().view(rows, cols // ops.NVFP4_BLOCK, ops.NVFP4_BLOCK)
     bmax = xb.abs().amax(dim=-1)
-    ts = bmax.amax() / (ops.E4M3_MAX * ops.E2M1_MAX)
-    s = _safe_div(bmax / ops.E2M1_MAX, ts).to(torch.float8_e4m3fn).float()
+    ts = ops.div_scalar(bmax.amax(), ops.E4M3_MAX * ops.E2M1_MAX)
+    s = _safe_div(ops.div_scalar(bmax, ops.E2M1_MAX), ts).to(torch.float8_e4m3fn).float()
     v = _e2m1_round(_safe_div(xb, (ts * s)[..., None]))
     return (v * s[..., None]).view(rows, cols), ts
 
