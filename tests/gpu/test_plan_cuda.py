@@ -50,8 +50,10 @@ def _base_plan(model, **plan_kw):
     device = torch.device("cuda")
     blocks = list(find_blocks(model))
     act = planner.measure_activation_bytes(model, blocks[0], SHAPE, device)
+    head = planner.measure_head(model, SHAPE, device)  # as wrap() does
     return planner.plan(model, blocks, batch_shape=SHAPE, vram_budget=1 << 50, device=device,
-                        offload_activations=False, page_weights=False, activation_bytes=act, **plan_kw)
+                        offload_activations=False, page_weights=False, activation_bytes=act, head_bytes=head,
+                        **plan_kw)
 
 
 def _budget_offloading_some_activations(model, **plan_kw) -> int:

@@ -79,6 +79,7 @@ def trainstream_full(shape: str = "llama3.2-3b", vram_budget: Optional[int] = 24
     if shape == "tiny":  # every tensor of the tiny model is below the default size limit: offload them anyway
         options.setdefault("min_offload_numel", 0)
     name = f"trainstream full FT, budget {vram_budget / 2**30:.0f} GiB" if vram_budget else "trainstream full FT"
+    name += options.pop("name_suffix", "")
 
     def build():
         model = build_model(shape, torch.bfloat16, device, seed)
@@ -109,6 +110,11 @@ def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 2
 JOBS = {
     "ts_lora": ("lora", lambda shape, full_shape, budget, kw: trainstream_lora(shape, budget, **kw)),
     "ts_full": ("full", lambda shape, full_shape, budget, kw: trainstream_full(full_shape, budget, **kw)),
+    # the same with device gradients (the Trainer's setting: its clipping needs them), overlapped and serial steps
+    "ts_full_devgrads": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, grads="device", name_suffix=", device grads", **kw)),
+    "ts_full_serial": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, grads="device", overlap_step=False, name_suffix=", device grads, serial step", **kw)),
     # the 32B shape is fixed: it is the "larger than the GPU budget" case of issue 3
     "ts_paged": ("paged", lambda shape, full_shape, budget, kw: trainstream_paged(
         "tiny" if shape == "tiny" else "qwen2.5-32b", budget,
