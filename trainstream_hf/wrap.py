@@ -270,16 +270,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     head = planner.measure_head(model, batch_shape, device)
     if first_home != {device}:
         blocks[0].to(next(iter(first_home)) if len(first_home) == 1 else "cpu")
-    grads = config.grads
-    if grads == "auto" and device.type == "cuda" and config.overlap_step in ("auto", True):
-        # An overlapped step lets the next forward start while gradients would still be on the device: with
-        # 'device' gradients the step must wait for their copies (or they sit beside the next forward's
-        # activations: the 3B full fine-tune ran out of 24 GiB that way on the H200, 2026-12-03). 'host'
-        # gradients leave during backward, hidden under its compute.
-        grads = "host"
     pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
                       offload_optimizer=config.offload_optimizer if optimizer is not None else False,
-                      grads=grads, offload_activations=config.offload_activations,
+                      grads=config.grads, offload_activations=config.offload_activations,
                       page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
                       min_offload_numel=config.min_offload_numel, recompute=config.recompute,
                       activation_bytes=None if m is None else m.activation_bytes,

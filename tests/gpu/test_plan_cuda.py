@@ -113,7 +113,8 @@ def test_full_finetune_offloaded_optimizer_peak_matches_plan(grads):
     model = _llama()
     base = _base_plan(model, offload_optimizer=True, grads=grads)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    model, opt = ts.wrap(model, opt, vram_budget=base.predicted_peak() + base.margin, batch_shape=SHAPE,
+    # 2% slack: wrap measures the block and the head again, a few MiB apart from this plan's measurement.
+    model, opt = ts.wrap(model, opt, vram_budget=int(1.02 * (base.predicted_peak() + base.margin)), batch_shape=SHAPE,
                          offload_optimizer=True, grads=grads)
     pl = model.trainstream_plan
     assert pl.offload_optimizer and pl.grads == grads

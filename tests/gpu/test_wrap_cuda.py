@@ -7,6 +7,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import trainstream_hf as ts
 
+@pytest.fixture(autouse=True)
+def _deterministic():
+    # The embedding's backward accumulates with atomics on CUDA: two runs of the same step differ in the last bit,
+    # which 20 AdamW steps amplify to ~1e-5 (the reference and the wrapped model are two runs). Deterministic
+    # kernels make them comparable; cuBLAS needs CUBLAS_WORKSPACE_CONFIG for that (scripts/gpu_check.sh sets it).
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
 class CpuAdamW:
     """The reference optimizer: torch.optim.AdamW stepping float32 CPU copies of a CUDA model's parameters (the
     gradients copied down, the results copied back), i.e. the CPU arithmetic the offloaded AdamW reproduces. torch's
