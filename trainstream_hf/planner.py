@@ -133,7 +133,7 @@ class Plan:
         both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
         return (sum(b.weight_bytes for b in self.blocks if b.weights == "host")
                 + sum(b.activation_bytes for b in self.blocks if b.activations == "host")
-                + 18 * self.offload_numel)
+                + 18 * self.offload_numel + (2 * self.offload_numel if self.grads == "host" else 0))
 
     @property
     def recomputed_blocks(self) -> list[int]:

@@ -177,7 +177,7 @@ def test_low_precision_device_params(dtype, grads):
         if grads == "host":  # the hook moved them: read the host sums instead
             host = opt.host_grads()
             for p, q in zip(model.parameters(), ref.parameters()):
-                q.grad = host[p].clone()
+                q.grad = host[p].float()  # bf16 first terms stay bf16 on the host
         opt.step()
         ref_opt.step()
     master = opt.master_params()
@@ -214,7 +214,7 @@ def test_param_sink(dtype, grads):
         page_out()
         host = opt.host_grads()
         for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = host[p].clone() if p in host else p.grad.float()
+            q.grad = host[p].float() if p in host else p.grad.float()
         opt.step()
         ref_opt.step()
         assert all(p.numel() == 0 for p in paged)
@@ -431,3 +431,26 @@ def test_tiny_llama_trainer_loop():
     assert lrs == ref_lrs and lrs[3] > lrs[0] > 0
     assert max_diff(ref, model) < TOL
     assert max_diff(ref, build()) > 1e-2
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_host_grads_bf16_first_term_unconverted(micro):
+    """Host mode, bf16 parameters: one micro-batch leaves the gradient in bf16 on the host (no conversion in the hook
+    path; the kernel reads bf16); more micro-batches sum in fp32, exactly the fp32 sum of the bf16 terms in order."""
+    model = make_model(dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = wrap(torch.optim.AdamW(model.parameters(), **HP), list(model.parameters()), "host")
+    data = make_data(steps=1, micro=micro)[0]
+    backward(model, data)
+    host = opt.host_grads()
+    expected = {}
+    for x, y in zip(*data):  # the same terms, one at a time, summed in fp32 in autograd's order
+        ref.zero_grad()
+        (nn.functional.mse_loss(ref(x.to(torch.bfloat16)).float(), y) / micro).backward()
+        for p in ref.parameters():
+            expected[p] = expected[p] + p.grad.float() if p in expected else p.grad.float()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = host[p].view(p.shape)
+        assert g.dtype == (torch.bfloat16 if micro == 1 else torch.float32)
+        want = expected[q].to(torch.bfloat16) if micro == 1 else expected[q]
+        assert torch.equal(g, want)
