@@ -182,6 +182,24 @@ def test_quantize_rows_edge_values():
             _assert_same_bits(s, s_ref)
 
 
+def test_quantize_rows_every_bf16_value():
+    """Every finite bfloat16 value in [-448, 448] (all E4M3 normals, subnormals, ties, signed zeros, values rounding
+    to 0), in rows whose last entry 448 makes the scale exactly 1: the codes are torch's E4M3 rounding of the values
+    themselves. (tests/gpu checks the CUDA kernel on the same values.)"""
+    v = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = v[torch.isfinite(v) & (v.abs() <= 448)]
+    pad = (-v.numel()) % 255
+    body = torch.cat([v, v.new_zeros(pad)]).view(-1, 255)
+    x = torch.cat([body, body.new_full((body.shape[0], 1), 448.0)], dim=1)
+    q, s = ops.quantize_rows_e4m3(x)
+    assert bool((s == 1.0).all())
+    assert torch.equal(_bits(q[:, :255]).reshape(-1)[: v.numel()], _bits(v.to(torch.float8_e4m3fn)))
+    q_ref, s_ref = ops.quantize_rows_e4m3_reference(x)
+    _assert_same_bits(q, q_ref)
+    _assert_same_bits(s, s_ref)
+    assert _bits(q).unique().numel() == 254  # every E4M3 code but the two NaNs
+
+
 def test_quantize_rows_col_scale_is_a_float32_multiply():
     """quantize_rows_e4m3(x, cs) == quantize_rows_e4m3(float32(x) * cs): the column scale is one float32 product."""
     x = _activations((17, 96), 8, torch.bfloat16)

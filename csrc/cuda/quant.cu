@@ -7,7 +7,9 @@
 //     __fdiv_rn, __ddiv_rn, __double2float_rn). nvcc never contracts these into an FMA, and --use_fast_math
 //     does not touch them, so the file gives the same bits whatever the build flags.
 //   - float8 / bfloat16 / half conversions go through c10's own types (the ones torch's .to() and the CPU kernel
-//     use); their device paths round to nearest even, like the host ones, for every finite value.
+//     use); their device paths round to nearest even, like the host ones, for every finite value. One exception: the
+//     per-row E4M3 activation quantizer uses sm_89+'s conversion instruction, shown below to give c10's bits for every
+//     value it converts.
 //   - Reductions are a max (order-free) or an integer sum (exact): the NF4 absmax mean is summed in int64
 //     fixed point exactly as nf4_offset() in csrc/cpu/quant.cpp, so the atomics' order cannot change a bit.
 //   - Decodes are exact: int8 -> float, E4M3 -> half (cvt.rn.f16x2.e4m3x2, sm_89+) -> float, E2M1 / NF4 tables.
@@ -473,10 +475,37 @@ __global__ void __launch_bounds__(kThreads) rowwise_dequant_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Per-row E4M3 quantization (quantize_rows_e4m3_reference): one block per row, a pass for the row's max |x * cs|, a
-// pass to write the codes (the row is re-read from L1 / L2, not from memory). kVec: x and col_scale 16-byte aligned and
-// in_features a multiple of 8, so each thread reads 8 elements as 16-byte vectors and writes 8 codes as one 8-byte
-// store.
+// Per-row E4M3 quantization (quantize_rows_e4m3_reference): one block per row, a pass for the row's max |x * cs|, then
+// a pass that writes the codes. kVec: x and col_scale 16-byte aligned and in_features a multiple of 8, so each thread
+// reads 8 elements as 16-byte vectors and writes 8 codes as one 8-byte store. kRegs > 0 (kVec only; the row has at most
+// kRegs vectors per thread, which covers rows of up to 8 * 8 * 256 = 16384 features): each thread keeps its vectors in
+// registers from the first pass to the second, so the row is read from memory once. kRegs == 0: the second pass reads
+// the row again (from L1 / L2).
+//
+// Each code is e4m3(e), e = clamp(v / s, -448, 448): the division is IEEE (__fdiv_rn, the CPU's `/`, bit for bit).
+//
+// The E4M3 rounding. c10::Float8_e4m3fn(e) (what the CPU kernel and torch's .to(float8_e4m3fn) use) is a software
+// conversion of a dozen integer and float operations per element; sm_89+ converts two floats per instruction
+// (cvt.rn.satfinite.e4m3x2.f32, which cuda_fp8.hpp's __nv_cvt_float2_to_fp8x2 emits there). The two give the same
+// byte for every e this kernel converts (the clamp leaves only floats in [-448, 448] and NaN) once the sign and NaN
+// are set as c10 sets them:
+//   - 2^-6 <= |e| <= 448 (E4M3 normals): c10 adds 0x7FFFF plus the low kept mantissa bit to the float's bits and keeps
+//     the top bits: round to nearest, ties to even. cvt.rn rounds to nearest even. Nothing reaches c10's carry into
+//     0x7F (|e| >= 464) or cvt's .satfinite (above MAX_NORM = 448, which is 0x7E in both).
+//   - |e| < 2^-6 (subnormals): c10 adds 2^14 in float32, whose ulp is 2^-9, E4M3's subnormal step, so the float32
+//     addition (round to nearest even) rounds |e| to a multiple of 2^-9: 1..7 steps are subnormal codes, 8 steps the
+//     smallest normal 0x08, and |e| <= 2^-10 rounds to 0 (the tie at 2^-10 to the even code 0); cvt.rn rounds the same
+//     way. Float32 subnormal inputs (|e| < 2^-126) give 0 either way, flushed or not.
+//   - sign: c10 converts |e| and ORs the sign bit back in, so -0.0 and a negative value rounding to 0 give 0x80.
+//     cvt keeps the sign of nonzero results; for a zero result the ISA does not promise one. Hence the sign bit of e
+//     is ORed into cvt's byte too (a no-op wherever cvt's sign is already e's).
+//   - NaN: c10 gives 0x7F | sign (0xFF for a NaN with the sign bit set). cvt gives a NaN of unspecified sign
+//     (cuda_fp8.hpp's software version canonicalises every NaN input to +NaN, 0x7F). Hence for NaN e the magnitude
+//     bits 0x7F are ORed in too, giving 0x7F | sign whatever cvt returned. (A NaN e only arises in a row holding a
+//     NaN; its sign is then an artefact of each device's arithmetic, which is why tests compare NaN rows across
+//     devices only as NaN.)
+// So the byte is cvt(e) | sign(e) | (isnan(e) ? 0x7F : 0) on sm_89+, c10's conversion elsewhere.
+// tests/gpu/test_quant_fp8_cuda.py checks every finite bfloat16 value (and random float32 ones) against the CPU.
 
 // max that propagates NaN, as torch.amax does (arguments are |v| >= 0 or NaN).
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
@@ -508,55 +537,106 @@ __device__ __forceinline__ void load8(const T* __restrict__ x, float (&v)[8]) {
   }
 }
 
-__device__ __forceinline__ uint32_t e4m3_code(float v, float s) {
-  float e = s != 0.0f ? __fdiv_rn(v, s) : 0.0f;  // NaN s (a NaN in the row) gives NaN codes, as the reference
-  e = e > kE4m3Max ? kE4m3Max : (e < -kE4m3Max ? -kE4m3Max : e);  // NaN stays NaN, as torch.clamp
-  return c10::Float8_e4m3fn(e).x;
+// v = x[8c, 8c + 8) of the row, times col_scale (one float32 product each) where there is one.
+template <typename T>
+__device__ __forceinline__ void load_row8(const T* __restrict__ xr, const float* __restrict__ col_scale, int64_t c,
+                                          float (&v)[8]) {
+  load8<T>(xr + 8 * c, v);
+  if (col_scale != nullptr) {
+    float cs[8];
+    load8<float>(col_scale + 8 * c, cs);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], cs[i]);
+  }
 }
 
-template <typename T, bool kVec>
+// e = clamp(v / s, -448, 448); 0 where s == 0. A NaN s (a NaN in the row) gives NaN, as the reference; the clamp keeps
+// NaN, as torch.clamp does.
+__device__ __forceinline__ float e4m3_input(float v, float s) {
+  const float e = s != 0.0f ? __fdiv_rn(v, s) : 0.0f;
+  return e > kE4m3Max ? kE4m3Max : (e < -kE4m3Max ? -kE4m3Max : e);
+}
+
+// E4M3 bytes of a and b (a in the low byte) for a, b in [-448, 448] or NaN: c10::Float8_e4m3fn's bits (see above).
+__device__ __forceinline__ uint32_t e4m3x2_bits(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const uint32_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t fa = ((__float_as_uint(a) >> 24) & 0x80u) | (a != a ? 0x7Fu : 0u);
+  const uint32_t fb = ((__float_as_uint(b) >> 24) & 0x80u) | (b != b ? 0x7Fu : 0u);
+  return r | fa | (fb << 8);
+#else
+  return static_cast<uint32_t>(c10::Float8_e4m3fn(a).x) | (static_cast<uint32_t>(c10::Float8_e4m3fn(b).x) << 8);
+#endif
+}
+
+// The 8 codes of v for row scale s, as one 8-byte store (q 8-byte aligned); byte i is v[i]'s code.
+__device__ __forceinline__ void store_codes8(uint8_t* __restrict__ q, const float (&v)[8], float s) {
+  uint32_t w[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    w[h] = e4m3x2_bits(e4m3_input(v[4 * h], s), e4m3_input(v[4 * h + 1], s)) |
+           (e4m3x2_bits(e4m3_input(v[4 * h + 2], s), e4m3_input(v[4 * h + 3], s)) << 16);
+  }
+  *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
+}
+
+template <typename T, bool kVec, int kRegs>
 __global__ void __launch_bounds__(kThreads) quantize_rows_e4m3_kernel(
     const T* __restrict__ x, int64_t cols, const float* __restrict__ col_scale, uint8_t* __restrict__ q,
     float* __restrict__ row_scale) {
+  static_assert(kRegs == 0 || kVec, "the row is held in registers only on the vectorised path");
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
   uint8_t* qr = q + row * cols;
   float m = 0.0f;
-  if constexpr (kVec) {
-    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
-      float v[8], cs[8];
-      load8<T>(xr + 8 * c, v);
-      if (col_scale != nullptr) load8<float>(col_scale + 8 * c, cs);
+  if constexpr (kRegs > 0) {
+    const int64_t nvec = cols / 8;
+    float v[kRegs][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) m = nan_max(fabsf(col_scale != nullptr ? __fmul_rn(v[i], cs[i]) : v[i]), m);
+    for (int j = 0; j < kRegs; ++j) {
+      const int64_t c = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (c < nvec) {
+        load_row8<T>(xr, col_scale, c, v[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = nan_max(fabsf(v[j][i]), m);
+      }
+    }
+    m = block_nan_max(m, smem);
+    const float s = __fdiv_rn(m, kE4m3Max);
+    if (threadIdx.x == 0) row_scale[row] = s;
+#pragma unroll
+    for (int j = 0; j < kRegs; ++j) {
+      const int64_t c = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (c < nvec) store_codes8(qr + 8 * c, v[j], s);
+    }
+  } else if constexpr (kVec) {
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      float v[8];
+      load_row8<T>(xr, col_scale, c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = nan_max(fabsf(v[i]), m);
+    }
+    m = block_nan_max(m, smem);
+    const float s = __fdiv_rn(m, kE4m3Max);
+    if (threadIdx.x == 0) row_scale[row] = s;
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      float v[8];
+      load_row8<T>(xr, col_scale, c, v);
+      store_codes8(qr + 8 * c, v, s);
     }
   } else {
     for (int64_t k = threadIdx.x; k < cols; k += blockDim.x) {
       const float v = to_float(xr[k]);
       m = nan_max(fabsf(col_scale != nullptr ? __fmul_rn(v, __ldg(col_scale + k)) : v), m);
     }
-  }
-  m = block_nan_max(m, smem);
-  const float s = __fdiv_rn(m, kE4m3Max);
-  if (threadIdx.x == 0) row_scale[row] = s;
-  if constexpr (kVec) {
-    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
-      float v[8], cs[8];
-      load8<T>(xr + 8 * c, v);
-      if (col_scale != nullptr) load8<float>(col_scale + 8 * c, cs);
-      uint32_t w[2] = {0u, 0u};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float vi = col_scale != nullptr ? __fmul_rn(v[i], cs[i]) : v[i];
-        w[i / 4] |= e4m3_code(vi, s) << (8 * (i % 4));
-      }
-      *reinterpret_cast<uint2*>(qr + 8 * c) = make_uint2(w[0], w[1]);
-    }
-  } else {
+    m = block_nan_max(m, smem);
+    const float s = __fdiv_rn(m, kE4m3Max);
+    if (threadIdx.x == 0) row_scale[row] = s;
     for (int64_t k = threadIdx.x; k < cols; k += blockDim.x) {
       const float v = to_float(xr[k]);
-      qr[k] = static_cast<uint8_t>(e4m3_code(col_scale != nullptr ? __fmul_rn(v, __ldg(col_scale + k)) : v, s));
+      const float e = e4m3_input(col_scale != nullptr ? __fmul_rn(v, __ldg(col_scale + k)) : v, s);
+      qr[k] = static_cast<uint8_t>(e4m3x2_bits(e, 0.0f) & 0xFFu);
     }
   }
 }
@@ -857,13 +937,31 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cuda(const at::Tensor& x,
   // Enough threads for one pass over the row, in whole warps, at most kThreads.
   const int64_t work = vec ? cols / 8 : cols;
   const int threads = static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, ceil_div(work, 32) * 32)));
+  // Vectors per thread, rounded up to a power of two: how many the kernel holds in registers (0: rows too long for
+  // that, read twice).
+  const int64_t per_thread = ceil_div(work, threads);
+  const int regs = !vec ? 0 : per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : per_thread <= 8 ? 8 : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(t, vec, [&](auto tag, auto v) {
     using T = decltype(tag);
     constexpr bool kVec = decltype(v)::value;
-    quantize_rows_e4m3_kernel<T, kVec><<<static_cast<unsigned int>(rows), threads, 0, stream>>>(
-        reinterpret_cast<const T*>(xc.data_ptr()), cols, c, reinterpret_cast<uint8_t*>(q.data_ptr()),
-        row_scale.data_ptr<float>());
+    auto launch = [&](auto held) {
+      constexpr int kRegs = decltype(held)::value;
+      quantize_rows_e4m3_kernel<T, kVec, kRegs><<<static_cast<unsigned int>(rows), threads, 0, stream>>>(
+          reinterpret_cast<const T*>(xc.data_ptr()), cols, c, reinterpret_cast<uint8_t*>(q.data_ptr()),
+          row_scale.data_ptr<float>());
+    };
+    if constexpr (kVec) {
+      switch (regs) {
+        case 1: launch(std::integral_constant<int, 1>{}); break;
+        case 2: launch(std::integral_constant<int, 2>{}); break;
+        case 4: launch(std::integral_constant<int, 4>{}); break;
+        case 8: launch(std::integral_constant<int, 8>{}); break;
+        default: launch(std::integral_constant<int, 0>{}); break;
+      }
+    } else {
+      launch(std::integral_constant<int, 0>{});
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {q, row_scale};

@@ -24,7 +24,12 @@ def test_block_step_returns_the_input_gradients(fmt):
     ws = quant.block_weights(linears, CPU, seed=3)
     assert torch.equal(ws[0], quant.block_weights(linears, CPU, seed=3)[0])
     xs, leaves, grads = quant.block_inputs(linears, 8, CPU, seed=4)
-    assert [x.shape[1] for x in xs] == [k for _, k, _ in linears] and len(leaves) == 2
+    assert [x.shape[1] for x in xs] == [k for _, k, _ in linears] and len(leaves) == 4
+    # As in the model: q / k / v read one tensor, o_proj its own, gate / up one, down_proj its own.
+    q, k, v, o, gate, up, down = xs
+    assert q is k is v and gate is up
+    assert [id(t) for t in leaves] == [id(q), id(o), id(gate), id(down)]
+    assert o is not q and gate is not q and gate is not o and all(t.requires_grad for t in leaves)
     if fmt == "bf16":
         layers, dense = [quant._dense(w) for w in ws], ws
     else:

@@ -179,6 +179,72 @@ def test_quantize_rows_edge_values_cuda():
             _assert_same_bits(a, b)
 
 
+def _e4m3_rows(values, width, anchor=448.0, dtype=torch.bfloat16):
+    """``values`` (float32, |v| <= 448) laid out in rows of ``width``: ``width - 1`` values and ``anchor`` last, the
+    last row padded with zeros. With the anchor 448 every row's scale is 448 / 448 = 1 exactly, so the kernel
+    converts exactly these values to E4M3 (v / 1 = v); another anchor sends them through the division first."""
+    per_row = width - 1
+    rows = -(-values.numel() // per_row)
+    body = torch.zeros(rows * per_row)
+    body[: values.numel()] = values
+    x = torch.cat([body.view(rows, per_row), torch.full((rows, 1), anchor)], dim=1).to(dtype)
+    assert torch.equal(x[:, :-1].reshape(-1)[: values.numel()].float(), values)  # exact in dtype
+    return x
+
+
+def _all_finite_bf16():
+    """Every finite bfloat16 value (65280 bit patterns: all but inf and the NaNs) as float32, those above 448 in
+    magnitude scaled by a power of two (exactly) into [128, 256); ordered by bit pattern."""
+    v = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    v = v[torch.isfinite(v)]
+    assert v.numel() == 2**16 - 256
+    mant, exp = torch.frexp(v)
+    return torch.where(v.abs() > 448, torch.ldexp(mant, torch.full_like(exp, 8)), v)
+
+
+# Row widths for every variant of the kernel: 255 (not a multiple of 8: the scalar path); 256, 4096, 8192, 14336
+# (1, 2, 4 and 7 vectors of 8 per thread: the row held in registers, kRegs 1, 2, 4, 8); 20480 (10 per thread: read
+# twice).
+E4M3_WIDTHS = [255, 256, 4096, 8192, 14336, 20480]
+
+
+@pytest.mark.parametrize("width", E4M3_WIDTHS)
+@pytest.mark.parametrize("anchor", [448.0, 761.0])
+def test_quantize_rows_every_bf16_value_cuda(width, anchor):
+    """Every finite bfloat16 value converted on the GPU (sm_89+: the hardware E4M3 conversion, csrc/cuda/quant.cu)
+    gives the CPU's bits (c10's conversion); with the anchor 448 the row scale is 1, so the values themselves are
+    converted (all E4M3 normals, subnormals, ties, signed zeros, values rounding to 0)."""
+    x = _e4m3_rows(_all_finite_bf16(), width, anchor)
+    q_cpu, s_cpu = ops.quantize_rows_e4m3(x)
+    if anchor == 448.0:
+        assert bool((s_cpu == 1.0).all())
+    q_ref, s_ref = ops.quantize_rows_e4m3_reference(x)
+    assert torch.equal(_bits(q_cpu), _bits(q_ref)) and torch.equal(_bits(s_cpu), _bits(s_ref))
+    for cs in (None, torch.ones(width)):  # with a column scale of ones: the col_scale loads, same values
+        q, s = ops.quantize_rows_e4m3(x.cuda(), None if cs is None else cs.cuda())
+        _assert_same_bits(q, q_cpu)
+        _assert_same_bits(s, s_cpu)
+
+
+@pytest.mark.parametrize("width", [255, 4096, 14336])
+def test_quantize_rows_random_float32_values_cuda(width):
+    """2^20 random float32 bit patterns in [-448, 448] (full 24-bit significands: the sticky bits below every E4M3
+    rounding point) converted as they are (row scale 1): the GPU's bits are the CPU's."""
+    g = torch.Generator().manual_seed(width)
+    bits = torch.randint(-2**31, 2**31, (2**20,), dtype=torch.int64, generator=g).to(torch.int32)
+    v = bits.view(torch.float32)
+    v = v[torch.isfinite(v) & (v.abs() <= 448)]
+    # Mostly tiny values (random exponents): add a uniform spread over E4M3's range, and 2^-12..2^-5 (subnormals).
+    v = torch.cat([v, (torch.rand(2**18, generator=g) * 2 - 1) * 448,
+                   (torch.rand(2**16, generator=g) * 2 - 1) * torch.exp2(-torch.randint(5, 13, (2**16,), generator=g))])
+    x = _e4m3_rows(v, width, dtype=torch.float32)
+    q_cpu, s_cpu = ops.quantize_rows_e4m3(x)
+    assert bool((s_cpu == 1.0).all())
+    q, s = ops.quantize_rows_e4m3(x.cuda())
+    _assert_same_bits(q, q_cpu)
+    _assert_same_bits(s, s_cpu)
+
+
 def test_quantize_rows_nan_and_empty_cuda():
     x = _activations((6, 48), 10, torch.bfloat16)
     x[3, 5] = float("nan")
@@ -338,6 +404,37 @@ def test_quant_linear_fp8_takes_tensor_cores_without_host_sync(outliers):
 
 
 @requires_fp8
+def test_layers_reading_one_x_share_its_quantization_cuda(monkeypatch):
+    """q / k / v-like layers on one x quantize it once per stream (the same bits as quantizing it for each); a layer
+    on another stream, which is not ordered after the quantizing kernel, quantizes it again; the backward's unit
+    scales are kept per stream."""
+    layers = [QuantLinear(_fp8_weight(n, 512, 41 + i)) for i, n in enumerate((512, 128, 128))]
+    forward_calls = []
+    real = matmul.quantize_rows_e4m3
+    monkeypatch.setattr(matmul, "quantize_rows_e4m3",
+                        lambda x, cs=None: (cs is None and forward_calls.append(x.shape), real(x, cs))[1])
+    matmul.forget_activation()
+    x = _tokens(96, 512, 44, torch.bfloat16).view(2, 48, 512).requires_grad_()
+    ys = [layer(x) for layer in layers]
+    assert len(forward_calls) == 1
+    for layer, y in zip(layers, ys):
+        assert torch.equal(y.view(96, -1), matmul.FP8_W8A8_SCALED_MM.forward(x.detach().view(96, 512), layer.weight))
+    before = len(forward_calls)  # the direct calls just above quantized afresh
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y_side = layers[0](x)
+        y_side.backward(torch.ones_like(y_side))
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(forward_calls) == before + 1
+    assert _rel(y_side, ys[0]) <= TOL[torch.bfloat16]  # the same call on another stream
+    sum(y.sum() for y in ys).backward()
+    assert matmul._LAST is None
+    for stream in (side, torch.cuda.current_stream()):  # one per stream
+        assert torch.equal(matmul._ONES[(512, x.device, stream.cuda_stream)], torch.ones(1, 512, device="cuda"))
+
+
+@requires_fp8
 def test_backward_frees_the_transposed_weight():
     """The transposed FP8 copy the backward builds lives only during the call."""
     q = _fp8_weight(1024, 4096, 39)
@@ -348,7 +445,8 @@ def test_backward_frees_the_transposed_weight():
     torch.cuda.reset_peak_memory_stats()
     dx = matmul.FP8_W8A8_SCALED_MM.backward(dy, q)
     torch.cuda.synchronize()
-    # dx stays; the 4 MiB copy (and the quantized dy, its scales, the unit scales) are gone.
+    # dx stays; the 4 MiB copy (and the quantized dy and its scales) are gone. The unit scales are kept
+    # (matmul._ones_row), made by the first call.
     assert torch.cuda.memory_allocated() - before <= dx.numel() * dx.element_size() + 65536
     assert torch.cuda.max_memory_allocated() - before >= 1024 * 4096  # the copy existed
 

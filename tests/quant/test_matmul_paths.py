@@ -261,3 +261,161 @@ def test_quantize_rows_e4m3_reference_matches_fp8_weight_quantizer():
     ref = quantize(x, "fp8").tensors
     assert torch.equal(q.view(torch.uint8), ref["data"].view(torch.uint8))
     assert torch.equal(s.view(-1), ref["scale"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One quantized activation for the layers that read the same x (matmul.quantize_activation)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def quantized(monkeypatch):
+    """Shapes of the activations the forward quantizes (quantize_rows_e4m3 calls without a column scale; the FP8
+    backward's calls carry one), with no kept quantization before or after the test."""
+    shapes = []
+    real = matmul.quantize_rows_e4m3
+
+    def counting(x, col_scale=None):
+        if col_scale is None:
+            shapes.append(tuple(x.shape))
+        return real(x, col_scale)
+
+    monkeypatch.setattr(matmul, "quantize_rows_e4m3", counting)
+    matmul.forget_activation()
+    yield shapes
+    matmul.forget_activation()
+
+
+@pytest.fixture
+def tensor_cores(monkeypatch, scaled_mm):
+    """fp8 QuantLinears on the CPU take the tensor-core path (torch._scaled_mm emulated, its contract asserted)."""
+    monkeypatch.setitem(matmul.ACT_QUANT_FORMATS, "fp8", matmul.FP8_W8A8_SCALED_MM)
+    return scaled_mm
+
+
+def _qkv(k=128, outs=(64, 32, 32), outliers=0.0, seed=20):
+    """q / k / v-like fp8 layers: one in_features, several out_features."""
+    torch.manual_seed(seed)
+    return [QuantLinear.from_linear(nn.Linear(k, n, bias=False), "fp8", outliers=outliers) for n in outs]
+
+
+def _fresh(layer, x):
+    """layer's output for x, quantized afresh: the W8A8 maths that both fp8 paths compute here (the emulated one, and
+    the tensor-core one with _fake_scaled_mm), written out."""
+    t = layer.weight.tensors
+    xq, sx = ops.quantize_rows_e4m3(x.detach().reshape(-1, layer.in_features))
+    y = ((xq.float() @ t["data"].float().t()) * sx * t["scale"]).to(x.dtype)
+    return y.view(*x.shape[:-1], layer.out_features)
+
+
+@pytest.mark.parametrize("route", ["tensor_cores", "emulated"])
+def test_layers_reading_one_x_quantize_it_once(quantized, request, route):
+    if route == "tensor_cores":
+        request.getfixturevalue("tensor_cores")
+    layers = _qkv()
+    assert layers[0].matmul_path() is (matmul.FP8_W8A8_SCALED_MM if route == "tensor_cores"
+                                       else matmul.FP8_W8A8_EMULATED)
+    x = _act((16, 128), 21, torch.bfloat16).view(2, 8, 128).requires_grad_()
+    ys = [layer(x) for layer in layers]
+    assert quantized == [(16, 128)]
+    for layer, y in zip(layers, ys):
+        assert torch.equal(y, _fresh(layer, x))
+    # The same step with reuse switched off between the layers: same outputs and input gradient, bit for bit.
+    x2 = x.detach().clone().requires_grad_()
+    ys2 = []
+    for layer in layers:
+        matmul.forget_activation()
+        ys2.append(layer(x2))
+    assert len(quantized) == 4
+    dys = [_act((16, layer.out_features), 22 + i, torch.bfloat16).view(2, 8, -1) for i, layer in enumerate(layers)]
+    dx, = torch.autograd.grad(ys, x, dys)
+    dx2, = torch.autograd.grad(ys2, x2, dys)
+    assert all(torch.equal(a, b) for a, b in zip(ys, ys2)) and torch.equal(dx, dx2)
+
+
+def test_an_x_written_in_place_is_quantized_again(quantized, tensor_cores):
+    a, b, c = _qkv()
+    x = _act((16, 128), 23, torch.bfloat16)
+    a(x)
+    x.view(-1)[5] = 7.0  # through a view: views share x's version counter
+    y = b(x)
+    assert len(quantized) == 2 and torch.equal(y, _fresh(b, x))
+    with torch.no_grad():
+        x[3].mul_(-3.0)  # grad mode does not matter to the version counter
+    y = c(x)
+    assert len(quantized) == 3 and torch.equal(y, _fresh(c, x))
+    y = a(x)  # unchanged since: reused
+    assert len(quantized) == 3 and torch.equal(y, _fresh(a, x))
+    x.data = _act((16, 128), 24, torch.bfloat16)  # storage swapped without a version bump: data_ptr changed
+    y = b(x)
+    assert len(quantized) == 4 and torch.equal(y, _fresh(b, x))
+
+
+def test_a_tensor_at_the_same_address_is_not_the_same_x(quantized, tensor_cores):
+    """Two tensors on one storage, same address, version, shape and stride, different values over time: reuse is
+    keyed by the tensor object, never by its address; a dead tensor's quantization is dropped with it."""
+    a, b, _ = _qkv()
+    storage = torch.empty(16 * 128, dtype=torch.bfloat16).untyped_storage()
+
+    def tensor_on_storage(seed):
+        t = torch.empty(0, dtype=torch.bfloat16).set_(storage, 0, (16, 128), (128, 1))
+        return t.copy_(_act((16, 128), seed, torch.bfloat16))
+
+    x = tensor_on_storage(25)
+    a(x)
+    ptr, version = x.data_ptr(), x._version
+    x2 = tensor_on_storage(26)  # x is alive, and now reads x2's values
+    assert (x2.data_ptr(), x2._version, x2.shape, x2.stride()) == (ptr, version, x.shape, x.stride())
+    y = b(x2)
+    assert len(quantized) == 2 and torch.equal(y, _fresh(b, x2))
+    del x, x2
+    assert matmul._LAST is None  # died with its tensor, and released the quantized copy
+    x3 = tensor_on_storage(27)
+    assert (x3.data_ptr(), x3._version) == (ptr, version)
+    y = a(x3)
+    assert len(quantized) == 3 and torch.equal(y, _fresh(a, x3))
+
+
+def test_what_is_never_shared(quantized, tensor_cores):
+    """Outlier layers (each quantizes its own x with the outlier channels zeroed), inference-mode tensors, and
+    anything after a backward (no reuse from one training step into the next)."""
+    layers = _qkv(outliers=0.05)
+    x = _act((16, 128), 28, torch.bfloat16)
+    for layer in layers:
+        layer(x)
+    assert len(quantized) == 3 and matmul._LAST is None
+    plain = _qkv()
+    with torch.inference_mode():
+        xi = _act((16, 128), 29, torch.bfloat16)
+        ys = [layer(xi) for layer in plain]
+    assert len(quantized) == 6 and matmul._LAST is None
+    assert all(torch.equal(y, _fresh(layer, xi)) for layer, y in zip(plain, ys))
+    x = x.requires_grad_()
+    y = plain[0](x)
+    assert matmul._LAST is not None
+    y.backward(torch.ones_like(y))
+    assert matmul._LAST is None
+    plain[1](x)
+    assert len(quantized) == 8
+
+
+def test_path_is_looked_up_per_device_and_act_quant(quantized, tensor_cores):
+    """QuantLinear keeps the path it selected per (device, act_quant): changing act_quant takes effect at once."""
+    layer = _qkv()[0]
+    x = _act((16, 128), 30, torch.bfloat16)
+    layer(x)
+    assert len(quantized) == 1 and layer._paths == {(torch.device("cpu"), None): matmul.FP8_W8A8_SCALED_MM}
+    layer.act_quant = False
+    matmul.forget_activation()
+    assert torch.equal(layer(x), matmul.DEQUANT.forward(x, layer.weight))
+    assert len(quantized) == 1
+
+
+def test_backward_ones_scale_is_made_once(tensor_cores):
+    layer = _qkv()[0]
+    x = _act((16, 128), 31, torch.bfloat16).requires_grad_()
+    for _ in range(2):
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+    ones = matmul._ONES[(128, torch.device("cpu"))]
+    assert torch.equal(ones, torch.ones(1, 128)) and len(tensor_cores) == 4
+    assert matmul._ones_row(128, torch.device("cpu")) is ones

@@ -5,9 +5,11 @@
 One step is what a frozen base costs in LoRA / QLoRA training: the forward of every linear layer of one block
 (q, k, v, o, gate, up, down of a Llama block of ``--shape``) on ``--seq`` tokens of bf16 activations that require
 grad, then the input gradients (``torch.autograd.grad`` of all outputs with fixed random output gradients); no
-weight gradient (the weights are frozen). Every row runs that step on the same random weights and inputs, in the
-same process, timed by :func:`trainstream_hf.bench.harness.measure_training` (CUDA events after warm-up, median of
-repeats; ``perf_counter`` on the CPU; peak memory over the timed steps):
+weight gradient (the weights are frozen). The layers read their inputs as in the model (:data:`BLOCK_INPUTS`): q, k
+and v one tensor, o its own, gate and up one tensor, down its own; four input tensors per step. Every row runs that
+step on the same random weights and inputs, in the same process, timed by
+:func:`trainstream_hf.bench.harness.measure_training` (CUDA events after warm-up, median of repeats; ``perf_counter``
+on the CPU; peak memory over the timed steps):
 
 * ``bf16``: ``nn.Linear`` with a frozen bf16 weight (cuBLAS GEMMs): the ratio ``x_bf16`` is over this row.
 * ``bnb_nf4``: bitsandbytes ``Linear4bit`` NF4, double quant, bf16 compute (the QLoRA peer, built by
@@ -82,17 +84,27 @@ def block_weights(linears, device: torch.device, seed: int = 0) -> list[torch.Te
             for _, k, n in linears]
 
 
+# Which tensor each linear layer of a block reads, as in the model: q / k / v the attention's normed hidden state,
+# o_proj the attention output, gate / up the MLP's normed hidden state, down_proj the gated activation. Layers that
+# read one tensor can share its quantization (the FP8 path quantizes it once); o_proj and down_proj cannot.
+BLOCK_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+                "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_act"}
+
+
 def block_inputs(linears, tokens: int, device: torch.device, seed: int = 1):
-    """``(xs, leaves, grads)``: each layer's input (the hidden-size activations for every layer but the
-    down-projection, which reads the intermediate-size ones), the leaf tensors that require grad, and one fixed
-    random output gradient per layer; all bf16."""
+    """``(xs, leaves, grads)``: each layer's input, the leaf tensors that require grad (one per entry of
+    :data:`BLOCK_INPUTS`, in order of first use; each layer in ``xs`` is given the very tensor object it reads, so q, k
+    and v get one tensor, gate and up another), and one fixed random output gradient per layer; all bf16."""
     g = _generator(device, seed)
-    leaves: dict[int, torch.Tensor] = {}
-    for _, k, _ in linears:
-        if k not in leaves:
-            leaves[k] = torch.randn(tokens, k, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()
+    leaves: dict[str, torch.Tensor] = {}
+    for name, k, _ in linears:
+        src = BLOCK_INPUTS[name]
+        if src not in leaves:
+            leaves[src] = torch.randn(tokens, k, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()
+        if leaves[src].shape[1] != k:
+            raise ValueError(f"block_inputs: {name} reads {src} of {leaves[src].shape[1]} features, not {k}")
     grads = [torch.randn(tokens, n, generator=g, device=device, dtype=torch.bfloat16) for _, _, n in linears]
-    return [leaves[k] for _, k, _ in linears], list(leaves.values()), grads
+    return [leaves[BLOCK_INPUTS[name]] for name, _, _ in linears], list(leaves.values()), grads
 
 
 def block_step(layers, xs, leaves, grads):

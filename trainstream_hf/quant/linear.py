@@ -52,13 +52,16 @@ class _QuantLinearFunction(torch.autograd.Function):
         elif k and path.quantizes_activations:
             y = _outliers.outlier_matmul(x2d, q, k, path.forward).to(x.dtype)
         else:
-            y = path.forward(x2d, q).to(x.dtype)
+            # x itself as the source: the layers that read the same x share its quantization
+            # (matmul.quantize_activation); the outlier path above quantizes a modified copy, never shared.
+            y = path.forward(x2d, q, x).to(x.dtype)
         ctx.save_for_backward(*packed)
         ctx.meta = (path, fmt, shape, dtype)
         return y.view(*x.shape[:-1], shape[0])
 
     @staticmethod
     def backward(ctx, dy):
+        matmul.forget_activation()  # the forward is over: no activation quantization is reused into the next step
         dx = None
         if ctx.needs_input_grad[0]:
             path, fmt, shape, dtype = ctx.meta
@@ -84,7 +87,9 @@ class QuantLinear(nn.Module):
 
     * weight-only (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): exactly ``F.linear(x, dequantize(W, x.dtype))``;
     * fp8 with ``act_quant=True`` (default on the CPU and on sm_89+ GPUs): W8A8, activations quantized per token to
-      E4M3, float32 accumulation; on sm_89+ through ``torch._scaled_mm`` (FP8 tensor cores), whose backward is FP8 too;
+      E4M3, float32 accumulation; on sm_89+ through ``torch._scaled_mm`` (FP8 tensor cores), whose backward is FP8 too.
+      Layers called one after another on the same input tensor (q / k / v, gate / up) quantize it once
+      (:func:`~trainstream_hf.quant.matmul.quantize_activation`: same bits, checked against in-place writes);
     * nvfp4 with ``act_quant=True`` (default on the CPU): W4A4, activations quantized to NVFP4, float32 accumulation.
 
     With ``outliers=p > 0`` and an activation-quantized path, the ``ceil(p * in_features)`` input channels of largest
@@ -127,6 +132,9 @@ class QuantLinear(nn.Module):
         self.outliers = _outliers.check_outliers(outliers)
         self._act_quant: bool | None = None if act_quant is None else bool(act_quant)
         matmul.select_path(self.fmt, weight.device, self._act_quant)  # raises now for act_quant on int8 / nf4
+        self._packed_names = tuple(_PREFIX + n for n in self.fmt.tensor_names)
+        # (device, act_quant) -> the path select_path picks: it depends on nothing else, and forward runs per call.
+        self._paths: dict[tuple[torch.device, bool | None], matmul.MatmulPath] = {}
         for name in self.fmt.tensor_names:
             self.register_parameter(_PREFIX + name, nn.Parameter(weight.tensors[name], requires_grad=False))
         if bias is not None:
@@ -201,26 +209,33 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in ops.WEIGHT_DTYPES:
             raise TypeError(f"QuantLinear: input must be float32, bfloat16 or float16, got {x.dtype}")
-        if x.shape[-1:] != (self.in_features,):
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear: input's last dimension must be in_features={self.in_features}, got "
                              f"shape {tuple(x.shape)}")
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            x = x.to(torch.get_autocast_dtype(dev))
-            with torch.autocast(dev, enabled=False):
-                return self._forward(x)
-        return self._forward(x)
+        device = x.device
+        if torch.is_autocast_enabled(device.type):
+            x = x.to(torch.get_autocast_dtype(device.type))
+            with torch.autocast(device.type, enabled=False):
+                return self._forward(x, device)
+        return self._forward(x, device)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = [getattr(self, _PREFIX + n) for n in self.fmt.tensor_names]
-        if packed[0].device != x.device:
-            raise ValueError(f"QuantLinear: input is on {x.device} but the weight is on {packed[0].device}")
-        path = matmul.select_path(self.fmt, x.device, self._act_quant)
+    def _forward(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # Runs once per layer call, and on the GPU the host side of a call is about as long as its kernels
+        # (benchmarks/NOTES.md, session 3): parameters are read from _parameters (nn.Module.__getattr__ is a slow
+        # fallback) and the path is looked up, not selected, after the first call on a device.
+        params = self._parameters
+        packed = [params[n] for n in self._packed_names]
+        if packed[0].device != device:
+            raise ValueError(f"QuantLinear: input is on {device} but the weight is on {packed[0].device}")
+        path = self._paths.get((device, self._act_quant))
+        if path is None:
+            path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
         y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features), self.weight_dtype,
                                        k, *packed)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        bias = params["bias"]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y
 
     def _apply(self, fn, recurse=True):

@@ -20,7 +20,8 @@ Paths:
     exact E4M3 products accumulated in float32 (``use_fast_accum=False``, torch's default: the kernels promote the
     tensor cores' partial sums to float32 accumulators rather than keep Hopper's reduced-precision FP8 accumulation),
     scales applied in the epilogue, one rounding to the activation dtype. Same maths as ``fp8_w8a8_emulated`` below up to summation order and the point
-    where the scales are applied (tests/gpu/test_quant_fp8_cuda.py holds them together).
+    where the scales are applied (tests/gpu/test_quant_fp8_cuda.py holds them together). Layers that read the same
+    ``x`` (q / k / v, gate / up) share one ``(x_q, s_x)`` (:func:`quantize_activation`; same bits as quantizing again).
   - Backward, ``dx[t, k] = sum_n dy[t, n] s_w[n] W_q[n, k]``: the weight scale lies along the reduced dimension, so it
     is folded into the gradient before quantizing it: ``(g_q, s_g) = quantize_rows_e4m3(dy, col_scale=s_w)``, i.e.
     per token ``g = dy * s_w`` (float32), ``s_g = max|g_row| / 448``, ``g_q = e4m3(g / s_g)``; then ``dx =
@@ -60,6 +61,7 @@ backward, never saved in 16 bits. No weight gradient.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,7 +72,8 @@ from trainstream_hf import ops
 from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize
 
 __all__ = ["MatmulPath", "select_path", "default_act_quant", "ACT_QUANT_FORMATS", "TENSOR_CORE_CAPABILITY",
-           "quantize_rows_e4m3", "quantize_nvfp4_activations", "e2m1_decode"]
+           "quantize_rows_e4m3", "quantize_activation", "forget_activation", "quantize_nvfp4_activations",
+           "e2m1_decode"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,10 @@ class MatmulPath:
 
     name: str
     quantizes_activations: bool  # outlier protection applies only where this is True
-    forward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # x (T, K) -> (T, N), float32 or x.dtype
+    # (x (T, K), q, src=None) -> (T, N), float32 or x.dtype. src: the caller's tensor that x is a 2-D view of
+    # (x = src.reshape(-1, K)), passed where the path may reuse src's quantization (quantize_activation); None: x
+    # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh.
+    forward: Callable[..., torch.Tensor]
     backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
 
 
@@ -110,6 +116,96 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
     if ops.has_kernel("quantize_rows_e4m3", x.device):
         return ops.quantize_rows_e4m3(x, col_scale)
     return ops.quantize_rows_e4m3_reference(x, col_scale)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reuse of one quantized activation by the layers that read the same tensor
+# --------------------------------------------------------------------------------------------------------------
+#
+# Llama's q / k / v projections read one hidden state, gate / up another: quantizing it once instead of three (two)
+# times saves 3 of the 7 per-token quantizations of a block's forward. The last quantization is kept, keyed by the
+# identity of the caller's tensor and everything that would change its contents or layout:
+#
+# * a weak reference to the tensor object (not its address: a freed tensor's memory is reused by the next
+#   allocation of the same size, so an address alone would hit on different data); a freed tensor never hits, and
+#   its entry is dropped when it dies, which releases the quantized copy;
+# * ``_version``, which every in-place write through the tensor or any view or ``detach()`` of it bumps (autograd's
+#   own check for saved tensors), and ``data_ptr``, shape, stride, dtype and device (``x.data = y`` swaps the
+#   storage without a version bump);
+# * on CUDA, the current stream: a consumer on another stream would not be ordered after the quantizing kernel.
+#
+# Writes that bypass the version counter are not seen, as autograd does not see them either: through ``x.data``
+# (its own counter), from outside torch (a NumPy view, a raw pointer), or a CUDA graph replay rewriting its static
+# outputs. To narrow that window, the backward of a QuantLinear ends the reuse (nothing carries over from one
+# training step to the next). Nothing is kept or reused while a CUDA graph is being captured (an entry made outside
+# the graph would be read by it but owned by this cache). Inference-mode tensors (no version counter), tensor
+# subclasses and ``torch.compile`` tracing are quantized afresh every time. The cost: one quantized activation
+# (T x K bytes + T floats) stays alive until its tensor dies or another one replaces it.
+#
+# The reused result is the same bits as a fresh one (the quantizer is deterministic), so reuse changes no numerics.
+
+_LAST: tuple | None = None  # (weakref to the source tensor, key, (x_q, s_x))
+
+
+# The current CUDA stream's handle as an int, without building a torch.cuda.Stream object per call (the private
+# function is the one torch's inductor-generated code calls); torch.cuda.current_stream where it is missing.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_id(device: torch.device) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _forget(ref: weakref.ref) -> None:
+    """Weakref callback: the source tensor died; release its quantization."""
+    global _LAST
+    last = _LAST
+    if last is not None and last[0] is ref:
+        _LAST = None
+
+
+def forget_activation() -> None:
+    """Drops the kept activation quantization (the next :func:`quantize_activation` quantizes afresh)."""
+    global _LAST
+    _LAST = None
+
+
+def _reuse_key(src: torch.Tensor) -> tuple | None:
+    """The key :func:`quantize_activation` keeps src's quantization under, or None where it must not be kept."""
+    if type(src) is not torch.Tensor or src.is_inference() or torch.compiler.is_compiling():
+        return None
+    device = src.device
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return src._version, src.data_ptr(), src.shape, src.stride(), src.dtype, device, _stream_id(device)
+    return src._version, src.data_ptr(), src.shape, src.stride(), src.dtype, device
+
+
+def quantize_activation(x: torch.Tensor, src: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_e4m3` of ``x``, reused from the previous call when that one quantized the same,
+    unmodified ``src`` (see the comment above this function).
+
+    Args:
+        x: (T, K) activations: ``src.reshape(-1, K)``.
+        src: the caller's tensor (the one object that every layer reading this activation receives); None:
+            quantize ``x`` without keeping or reusing anything.
+
+    Returns:
+        ``(x_q, s_x)`` as :func:`quantize_rows_e4m3`; the tensors may be shared with other callers: read-only.
+    """
+    global _LAST
+    key = None if src is None else _reuse_key(src)
+    if key is None:
+        return quantize_rows_e4m3(x)
+    last = _LAST
+    if last is not None and last[0]() is src and last[1] == key:
+        return last[2]
+    out = quantize_rows_e4m3(x)
+    _LAST = (weakref.ref(src, _forget), key, out)
+    return out
 
 
 def _e2m1_round(v: torch.Tensor) -> torch.Tensor:
@@ -161,7 +257,7 @@ def _nvfp4_weight_operand(q: QuantizedTensor) -> torch.Tensor:
 # Paths
 # --------------------------------------------------------------------------------------------------------------
 
-def _dequant_forward(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+def _dequant_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize(q, x.dtype))
 
 
@@ -169,13 +265,13 @@ def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return dy.mm(dequantize(q, dy.dtype))
 
 
-def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    xq, sx = quantize_rows_e4m3(x)
+def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
+    xq, sx = quantize_activation(x, src)
     acc = xq.float().mm(q.tensors["data"].float().t())
     return acc * sx * q.tensors["scale"]
 
 
-def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     xv, ts = quantize_nvfp4_activations(x)
     return xv.mm(_nvfp4_weight_operand(q).t()) * (ts * q.tensors["tensor_scale"])
 
@@ -199,25 +295,43 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     if not _scaled_mm_ok(x.dtype, q):
-        return _fp8_w8a8_forward(x, q)
-    xq, sx = quantize_rows_e4m3(x)
-    w = _aligned(q.tensors["data"])  # (N, K) row-major: its .t() is the column-major (K, N) operand
-    sw = _aligned(q.tensors["scale"]).view(1, -1)
+        return _fp8_w8a8_forward(x, q, src)
+    xq, sx = quantize_activation(x, src)
+    t = q.tensors
+    w = _aligned(t["data"])  # (N, K) row-major: its .t() is the column-major (K, N) operand
+    sw = _aligned(t["scale"]).view(1, -1)
     return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+
+
+# (K, device, stream) -> float32 (1, K) ones: the backward's scale_b. Made once per key rather than per call (a fill
+# kernel and a launch each time). Keyed by the CUDA stream too, so that the first use on a stream is ordered after
+# its fill; never made while a CUDA graph is being captured (the fill would only be recorded, not run).
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _ones_row(k: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.ones((1, k), dtype=torch.float32, device=device)
+        key = (k, device, _stream_id(device))
+    else:
+        key = (k, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones((1, k), dtype=torch.float32, device=device)
+    return ones
 
 
 def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     if not _scaled_mm_ok(dy.dtype, q):
         return _dequant_backward(dy, q)
-    k = q.shape[1]
     gq, sg = quantize_rows_e4m3(dy, q.tensors["scale"])  # dy * s_w, per token to E4M3
     # The (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled byte transpose: torch's strided
     # copy moves bytes at a fraction of memory bandwidth).
     w_t = ops.transpose_bytes(q.tensors["data"])
-    ones = torch.ones((1, k), dtype=torch.float32, device=dy.device)
-    return torch._scaled_mm(gq, w_t.t(), scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+    return torch._scaled_mm(gq, w_t.t(), scale_a=sg, scale_b=_ones_row(q.shape[1], dy.device), out_dtype=dy.dtype)
 
 
 DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward)
@@ -237,7 +351,7 @@ TENSOR_CORE_CAPABILITY = {"fp8": (8, 9), "nvfp4": (10, 0)}
 _TENSOR_CORE_PATHS = {"fp8": FP8_W8A8_SCALED_MM}
 
 _WARNED: set[tuple[str, tuple[int, int]]] = set()
-_CAPABILITY: dict[int, tuple[int, int]] = {}  # device index -> capability (select_path runs on every forward)
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # device index -> capability (default_act_quant asks per call)
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
