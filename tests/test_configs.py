@@ -10,15 +10,22 @@ import yaml
 
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.train.config import ConfigError, build, help_text, load, parse_overrides, read_command_comment
-from trainstream_hf.train.schema import RECIPES, SFTConfig
+from trainstream_hf.train.schema import RECIPES, DPOConfig, GRPOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 YAMLS = sorted(p for ext in ("*.yaml", "*.yml") for p in (ROOT / "configs").rglob(ext))
 MODEL_JSONS = sorted((ROOT / "configs" / "models").glob("*.json"))
+# recipe -> (its config class, its tiny CPU config): every recipe has one
+TINY = {"sft": (SFTConfig, "sft-tiny-cpu.yaml"), "dpo": (DPOConfig, "dpo-tiny-cpu.yaml"),
+        "grpo": (GRPOConfig, "grpo-tiny-cpu.yaml")}
 
 
 def test_there_are_configs():
-    assert (ROOT / "configs" / "sft-tiny-cpu.yaml") in YAMLS
+    assert set(TINY) == set(RECIPES) and all((ROOT / "recipes" / f"{name}.py").is_file() for name in RECIPES)
+    for name, (cls, yaml_name) in TINY.items():
+        assert (ROOT / "configs" / yaml_name) in YAMLS and RECIPES[name] is cls
+        assert read_command_comment(ROOT / "configs" / yaml_name) == \
+            f"python recipes/{name}.py --config configs/{yaml_name}"
     assert (ROOT / "configs" / "accelerate" / "single_gpu.yaml") in YAMLS
     assert MODEL_JSONS
 
@@ -145,11 +152,22 @@ def test_config_validates(path):
      r"mixed_precision: expected 'auto' \| 'no' \| 'bf16', got 'fp16'"),
     ("badsection.yaml", "# python recipes/sft.py --config c/badsection.yaml\nlora:\n  rank: 16\n", ConfigError,
      r"unknown option lora\.rank; the options of lora are: r, alpha, dropout, target_modules"),
+    ("dpo.yaml", "# python recipes/dpo.py --config c/dpo.yaml\ndpo:\n  corruptions: [swap, flip]\n", ConfigError,
+     r"dpo\.corruptions\[1\]: expected 'swap' \| 'substitute' \| 'drop' \| 'repeat', got 'flip'"),
+    ("dpofull.yaml", "# python recipes/dpo.py --config c/dpofull.yaml\nlora:\n  r: null\n", ConfigError,
+     r"lora\.r: null would train every parameter"),
+    ("dpopack.yaml", "# python recipes/dpo.py --config c/dpopack.yaml\ndata:\n  packing: true\n", ConfigError,
+     r"unknown option data\.packing"),
+    ("grpo.yaml", "# python recipes/grpo.py --config c/grpo.yaml --grpo.num_generations 6\ninit: random\n",
+     ConfigError, r"train\.batch_size=64 must be a multiple of grpo\.num_generations=6"),
+    ("sftgrpo.yaml", "# python recipes/sft.py --config c/sftgrpo.yaml\ngrpo:\n  beta: 0.1\n", ConfigError,
+     r"unknown option grpo; the options are: model, init"),
 ])
 def test_config_validation_catches(tmp_path, name, text, error, match):
     """The walk above fails for each kind of broken config (checked on copies in a scratch tree)."""
     (tmp_path / "recipes").mkdir()
-    (tmp_path / "recipes" / "sft.py").write_text("")
+    for recipe in RECIPES:
+        (tmp_path / "recipes" / f"{recipe}.py").write_text("")
     for rel in ("configs/models/tiny-llama.json", "data/train.jsonl", "data/test.jsonl", "data/tokenizer"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).symlink_to(ROOT / rel)
@@ -179,10 +197,12 @@ def test_model_config_builds(path):
         AutoModelForCausalLM.from_config(config)
 
 
-def test_tiny_config_matches_the_tokenizer():
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_tiny_config_matches_the_tokenizer(recipe):
     from trainstream_hf.train.data import load_tokenizer
 
-    cfg = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml")
+    cls, name = TINY[recipe]
+    cfg = load(cls, ROOT / "configs" / name)
     tok = load_tokenizer(str(ROOT / cfg.data.tokenizer))
     model = json.loads((ROOT / cfg.model).read_text())
     assert len(tok) <= model["vocab_size"]
@@ -206,9 +226,13 @@ def _get(obj, dotted):
     return obj
 
 
-def test_every_field_is_overridable_from_the_command_line():
-    """Each leaf option, given on the command line as YAML text of a valid value, lands in the config."""
-    base = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml")
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_every_field_is_overridable_from_the_command_line(recipe):
+    """Each leaf option of each recipe, given on the command line as YAML text of a valid value, lands in the
+    config."""
+    cls, name = TINY[recipe]
+    path = ROOT / "configs" / name
+    base = load(cls, path)
     changed = {"model": "elsewhere.json", "init": "pretrained", "dtype": "bfloat16", "device": "cpu", "seed": 7,
                "output_dir": "out", "save_model": True, "wrap": False, "train.betas": [0.8, 0.9],
                "train.scheduler": "cosine", "train.max_grad_norm": None, "trainstream.quantize": "nf4",
@@ -216,10 +240,15 @@ def test_every_field_is_overridable_from_the_command_line():
                "trainstream.device": "cpu", "trainstream.grads": "host", "trainstream.batch_shape": [2, 8],
                "trainstream.min_activation_bytes": "1MiB", "trainstream.outliers": 0.01,
                "trainstream.prefetch": 0, "trainstream.overlap_step": True, "trainstream.host_arena_slab": "128MiB",
-               "mixed_precision": "bf16", "lora.r": 8, "lora.dropout": 0.05,
-               "lora.target_modules": ["q_proj", "v_proj"]}
+               "mixed_precision": "bf16", "lora.r": 4, "lora.dropout": 0.05,
+               "lora.target_modules": ["q_proj", "v_proj"], "dpo.loss_type": "hinge", "dpo.corruptions": ["drop"],
+               "grpo.rewards": ["exact_match", "char_position"], "grpo.loss_type": "grpo",
+               "grpo.scale_rewards": "none",
+               # grpo: completions per step stay a multiple of the group size
+               "train.batch_size": 128 if recipe == "grpo" else base.train.batch_size + 1,
+               "grpo.num_generations": 4, "train.weight_decay": 0.05}
     needs = {"trainstream.quantize": ["--lora.r", "16"]}  # a quantized base is frozen: it takes adapters
-    leaves = list(_leaves(SFTConfig))
+    leaves = list(_leaves(cls))
     assert len(leaves) > 30
     for key in leaves:
         old = _get(base, key)
@@ -236,8 +265,7 @@ def test_every_field_is_overridable_from_the_command_line():
         else:
             raise AssertionError(f"no test value for {key}={old!r}; add one to `changed`")
         text = yaml.safe_dump(new, default_flow_style=True).strip().removesuffix("...").strip()
-        cfg = load(SFTConfig, ROOT / "configs" / "sft-tiny-cpu.yaml",
-                   parse_overrides([f"--{key}", text] + needs.get(key, [])))
+        cfg = load(cls, path, parse_overrides([f"--{key}", text] + needs.get(key, [])))
         got = _get(cfg, key)
         assert (list(got) if isinstance(got, tuple) else got) == new, key
         assert got != old, key
@@ -300,11 +328,41 @@ def test_yaml_with_unknown_key_is_refused(tmp_path):
         load(SFTConfig, p)
 
 
-def test_help_lists_every_option():
-    text = help_text(SFTConfig)
-    for key in _leaves(SFTConfig):
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_help_lists_every_option(recipe):
+    cls = TINY[recipe][0]
+    text = help_text(cls)
+    for key in _leaves(cls):
         assert f"--{key}  (" in text, key
     assert "(int; default 250)" in text and "Optimizer steps." in text
+    # defaults as the recipe gives them (dpo and grpo train adapters by default)
+    assert f"--lora.r  (int or null; default {None if recipe == 'sft' else 8})" in text
+
+
+@pytest.mark.parametrize("cls, overrides, match", [
+    (DPOConfig, {"dpo.corruptions": ["swap", "flip"]},
+     r"dpo\.corruptions\[1\]: expected 'swap' \| 'substitute' \| 'drop' \| 'repeat', got 'flip'"),
+    (DPOConfig, {"dpo.corruptions": "swap"}, r"dpo\.corruptions: expected a list"),
+    (DPOConfig, {"dpo.corruptions": []}, r"dpo: corruptions: at least one of 'swap', 'substitute', 'drop', 'repeat'"),
+    (DPOConfig, {"dpo.loss_type": "ipo"}, r"dpo\.loss_type: expected 'sigmoid' \| 'hinge', got 'ipo'"),
+    (DPOConfig, {"dpo.beta": -1}, r"dpo: beta: must be > 0"),
+    (DPOConfig, {"lora.r": None}, r"lora\.r: null would train every parameter"),
+    (DPOConfig, {"eval.max_new_tokens": 4}, r"unknown option eval\.max_new_tokens; the options of eval are: enabled"),
+    (DPOConfig, {"trainstream.quantize": "nf3"}, r"quantize: unknown format 'nf3'"),
+    (GRPOConfig, {"grpo.rewards": ["bleu"]},
+     r"grpo\.rewards\[0\]: expected 'char_overlap' \| 'char_position' \| 'exact_match', got 'bleu'"),
+    (GRPOConfig, {"grpo.rewards": ["exact_match", "exact_match"]}, r"grpo: rewards: each of .* at most once"),
+    (GRPOConfig, {"grpo.num_generations": 3}, r"train\.batch_size=64 must be a multiple of grpo\.num_generations=3"),
+    (GRPOConfig, {"grpo.beta": -0.1}, r"grpo: beta: must be >= 0"),
+    (GRPOConfig, {"grpo.max_completion_length": 0}, r"grpo: max_completion_length and ref_chunk_tokens: at least 1"),
+    (GRPOConfig, {"lora.r": None}, r"grpo\.beta=0\.04 needs a reference"),
+    (GRPOConfig, {"grpo.num_gens": 4}, r"unknown option grpo\.num_gens \(did you mean grpo\.num_generations\?\)"),
+    (SFTConfig, {"dpo.beta": 0.1}, r"unknown option dpo; the options are: model, init"),
+])
+def test_recipe_sections_are_checked(cls, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load(cls, None, overrides)
+    assert load(GRPOConfig, None, {"lora.r": None, "grpo.beta": 0}).lora.r is None  # no KL term: a full fine-tune
 
 
 def test_build_keeps_defaults_for_missing_sections():

@@ -243,18 +243,27 @@ def help_text(cls: type, description: str = "") -> str:
     """Every option of ``cls`` (dotted for sections) with its type, default and help."""
     lines = [description.strip(), "", "usage: --config FILE.yaml [--option value ...]", "", "options:"]
 
-    def walk(c, prefix):
+    def walk(c, prefix, instance):
+        # Defaults are read from a default instance where there is one: a recipe may give a section other defaults
+        # than the section class's own (dpo's lora.r is 8).
         hints = typing.get_type_hints(c)
         for f in dataclasses.fields(c):
             section = _section_type(hints[f.name])
             if section is not None:
-                walk(section, f"{prefix}{f.name}.")
+                walk(section, f"{prefix}{f.name}.", getattr(instance, f.name, None))
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
+            if instance is not None:
+                default = getattr(instance, f.name)
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else (
+                    f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
             lines.append(f"  --{prefix}{f.name}  ({_describe(hints[f.name])}; default {default!r})")
             if f.metadata.get("help"):
                 lines.append(f"        {f.metadata['help']}")
 
-    walk(cls, "")
+    try:
+        defaults = cls()
+    except (TypeError, ValueError):  # required options, or defaults that only validate together with a config
+        defaults = None
+    walk(cls, "", defaults)
     return "\n".join(lines).strip()

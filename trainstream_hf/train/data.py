@@ -1,20 +1,29 @@
-"""Local prompt-completion data: loading with ``datasets``, tokenizing, batching.
+"""Local prompt-completion data: loading with ``datasets``, tokenizing, batching; the preference pairs and the
+prompts the dpo and grpo recipes derive from it.
 
 Examples are ``{"prompt": ..., "completion": ...}`` JSON lines (TRL's prompt-completion format). A training
 sequence is ``tokenizer(prompt) + tokenizer(completion, no specials) + <eos>``; the loss is taken on the
 completion and the ``<eos>`` only (prompt positions are labelled -100). :func:`pack` concatenates such sequences
 into fixed-length ones (``data.packing``), for runs measured at a given number of tokens per step.
+
+:func:`preference_pairs` makes TRL's preference format from the same files (``chosen`` = the completion,
+``rejected`` = the completion corrupted by one of :data:`CORRUPT`, seeded), and :func:`prompts_with_answers` TRL's
+prompt-only format with the completion kept as ``answer`` for the reward functions. Both are made at load time,
+deterministically, so no second copy of the data is shipped.
 """
 from __future__ import annotations
 
+import random
+import string
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from trainstream_hf.train.config import ConfigError
 
-__all__ = ["load_tokenizer", "load_examples", "tokenize", "pack", "collate", "batches"]
+__all__ = ["load_tokenizer", "load_examples", "tokenize", "pack", "collate", "batches", "CORRUPT",
+           "preference_pairs", "tokenize_pairs", "prompts_with_answers", "check_prompt_lengths"]
 
 IGNORE = -100
 
@@ -123,3 +132,114 @@ def _endless(rows: list[dict], batch_size: int, pad_id: int, seed: int) -> Itera
         order = torch.randperm(len(rows), generator=g).tolist()
         for start in range(0, len(order) - batch_size + 1, batch_size):
             yield collate([rows[j] for j in order[start:start + batch_size]], pad_id)
+
+
+# -- preference pairs (dpo) and prompts (grpo) ------------------------------------------------------------------------
+def _alphabet(c: str) -> str:
+    for chars in (string.ascii_lowercase, string.ascii_uppercase, string.digits):
+        if c in chars:
+            return chars
+    return string.ascii_lowercase
+
+
+def _swap(s: str, rng: random.Random) -> str | None:
+    """Two different adjacent characters exchanged (None if there are none: 'aaa')."""
+    spots = [i for i in range(len(s) - 1) if s[i] != s[i + 1]]
+    if not spots:
+        return None
+    i = rng.choice(spots)
+    return s[:i] + s[i + 1] + s[i] + s[i + 2:]
+
+
+def _substitute(s: str, rng: random.Random) -> str:
+    """One character replaced by another of its kind (a lowercase letter by a lowercase letter, ...)."""
+    i = rng.randrange(len(s))
+    return s[:i] + rng.choice(_alphabet(s[i]).replace(s[i], "")) + s[i + 1:]
+
+
+def _drop(s: str, rng: random.Random) -> str | None:
+    """One character deleted (None for a one-character string: nothing would be left)."""
+    if len(s) < 2:
+        return None
+    i = rng.randrange(len(s))
+    return s[:i] + s[i + 1:]
+
+
+def _repeat(s: str, rng: random.Random) -> str:
+    """One character written twice."""
+    i = rng.randrange(len(s))
+    return s[:i + 1] + s[i:]
+
+
+# name -> corruption; each returns a string different from its input, or None where it cannot (then the pair is
+# made by "substitute", which always can). The names are schema.CORRUPTIONS.
+CORRUPT: dict[str, Callable[[str, random.Random], str | None]] = {
+    "swap": _swap, "substitute": _substitute, "drop": _drop, "repeat": _repeat}
+
+
+def preference_pairs(examples, corruptions: list[str], *, seed: int, option: str = "data.train_file"):
+    """TRL's preference format made from prompt-completion examples: ``chosen`` is the completion, ``rejected`` the
+    completion corrupted by a kind drawn (seeded) from ``corruptions``; ``corruption`` names the kind used.
+
+    Args:
+        examples: a dataset with ``prompt`` and ``completion`` columns (:func:`load_examples`).
+        corruptions: names from :data:`CORRUPT`.
+        seed: the pairs are a pure function of the examples, ``corruptions`` and ``seed``.
+        option: the config option naming the file, for error messages.
+
+    Returns:
+        A ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` and ``corruption`` columns.
+
+    Raises:
+        ConfigError: an empty completion (nothing to corrupt).
+    """
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for i, (prompt, chosen) in enumerate(zip(examples["prompt"], examples["completion"])):
+        if not chosen:
+            raise ConfigError(f"{option}: example {i} has an empty completion; a preference pair needs one to corrupt")
+        kind = corruptions[rng.randrange(len(corruptions))]
+        rejected = CORRUPT[kind](chosen, rng)
+        if rejected is None:
+            kind, rejected = "substitute", _substitute(chosen, rng)
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "corruption": kind})
+    return Dataset.from_list(rows)
+
+
+def tokenize_pairs(pairs, tokenizer, max_length: int) -> tuple[list[dict], list[dict]]:
+    """(chosen rows, rejected rows) as :func:`tokenize` makes them: the sequences TRL's DPOTrainer builds from the
+    pairs (prompt and completion tokenized together, ``<eos>`` appended), prompt positions labelled -100.
+
+    Raises:
+        ConfigError: a sequence is longer than ``max_length`` tokens.
+    """
+    def view(column: str):
+        return {"prompt": pairs["prompt"], "completion": pairs[column]}
+
+    return tokenize(view("chosen"), tokenizer, max_length), tokenize(view("rejected"), tokenizer, max_length)
+
+
+def prompts_with_answers(examples):
+    """TRL's prompt-only format for GRPO: ``prompt``, and the completion as ``answer`` (TRL passes the dataset's
+    other columns to the reward functions by name, and keeps ``completion`` for its own use)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": list(examples["prompt"]), "answer": list(examples["completion"])})
+
+
+def check_prompt_lengths(prompts: list[str], tokenizer, max_new_tokens: int, max_length: int,
+                         option: str = "grpo.max_completion_length") -> int:
+    """The longest tokenized prompt, after checking that each one plus ``max_new_tokens`` fits in ``max_length``.
+
+    Raises:
+        ConfigError: naming ``data.max_length`` and ``option``.
+    """
+    lengths = [len(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+    longest = max(lengths)
+    if longest + max_new_tokens > max_length:
+        i = lengths.index(longest)
+        raise ConfigError(f"data.max_length: prompt {i} has {longest} tokens, plus {option}={max_new_tokens} is "
+                          f"{longest + max_new_tokens} > {max_length}; raise data.max_length or lower {option}")
+    return longest

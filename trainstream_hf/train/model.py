@@ -23,7 +23,7 @@ from torch import nn
 from trainstream_hf.train.config import ConfigError
 
 __all__ = ["DTYPES", "resolve_device", "resolve_mixed_precision", "model_config", "skeleton", "materialize",
-           "build_model", "home_device", "add_lora", "count_parameters", "save_model"]
+           "build_model", "home_device", "lora_config", "add_lora", "count_parameters", "save_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -300,24 +300,34 @@ def home_device(device: torch.device, *, wrap: bool, page_weights, evaluate: boo
     return device
 
 
+def lora_config(model: nn.Module, *, r: int, alpha: int, dropout: float, target_modules):
+    """The PEFT ``LoraConfig`` of the ``lora`` section for ``model`` (``QuantLinear`` targets dispatched to
+    trainstream's LoRA layer), for ``get_peft_model`` or a TRL trainer's ``peft_config``.
+
+    Args:
+        model: the causal LM (possibly quantized).
+        r, alpha, dropout: ``LoraConfig``'s ``r``, ``lora_alpha``, ``lora_dropout``.
+        target_modules: module names, or ``"all-linear"`` (every linear layer but the output head).
+    """
+    from trainstream_hf.integrations.peft import quant_lora_config
+
+    return quant_lora_config(model, r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                             task_type="CAUSAL_LM")
+
+
 def add_lora(model: nn.Module, *, r: int, alpha: int, dropout: float, target_modules):
     """PEFT LoRA adapters on ``model`` (over ``QuantLinear`` bases too); the base is frozen.
 
     Args:
         model: the causal LM.
-        r, alpha, dropout: ``LoraConfig``'s ``r``, ``lora_alpha``, ``lora_dropout``.
-        target_modules: module names, or ``"all-linear"`` (every linear layer but the output head).
+        r, alpha, dropout, target_modules: as :func:`lora_config`.
 
     Returns:
         The ``peft.PeftModel``.
     """
     from peft import get_peft_model
 
-    from trainstream_hf.integrations.peft import quant_lora_config
-
-    config = quant_lora_config(model, r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                               task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    return get_peft_model(model, lora_config(model, r=r, alpha=alpha, dropout=dropout, target_modules=target_modules))
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "check_output_dir", "write_summary",
-           "format_summary"]
+           "format_summary", "format_dpo_summary", "format_grpo_summary", "format_table", "format_run"]
 
 
 class StepLog:
@@ -148,31 +148,93 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def format_table(rows: list[tuple[str, str, str]], title: str = "held-out") -> list[str]:
+    """``(label, before, after)`` rows as markdown table lines (with a blank line either side)."""
+    return ["", f"| {title} | before | after |", "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows], ""]
+
+
 def format_summary(s: dict) -> str:
-    """The summary as a few readable lines (markdown table for the before/after figures)."""
+    """The sft summary as a few readable lines (markdown table for the before/after figures)."""
     em, loss = s["exact_match"], s["loss"]
     if em is None:
         lines = ["", "held-out evaluation: off (eval.enabled false)", ""]
     else:
-        lines = ["", "| held-out | before | after |", "|---|---|---|",
-                 f"| loss per completion token | {loss['before']:.3f} | {loss['after']:.3f} |",
-                 f"| exact match | {em['before']:.1%} ({em['correct_before']}/{em['total']}) | "
-                 f"{em['after']:.1%} ({em['correct_after']}/{em['total']}) |", ""]
+        lines = format_table([
+            ("loss per completion token", f"{loss['before']:.3f}", f"{loss['after']:.3f}"),
+            ("exact match", f"{em['before']:.1%} ({em['correct_before']}/{em['total']})",
+             f"{em['after']:.1%} ({em['correct_after']}/{em['total']})")])
+    return "\n".join(lines + format_run(s))
+
+
+def format_run(s: dict) -> list[str]:
+    """The lines every recipe's summary ends with: steps and time, peak memory, what the engine moved."""
     t = s["timing"]
-    lines.append(f"{s['steps']} steps in {t['train_seconds']:.1f} s (median step "
-                 f"{t['median_step_seconds'] * 1e3:.0f} ms, {t['tokens_per_second']:.0f} tokens/s); "
-                 f"whole run {t['wall_seconds']:.1f} s")
+    rate = f", {t['tokens_per_second']:.0f} tokens/s" if t.get("tokens_per_second") else ""
+    lines = [f"{s['steps']} steps in {t['train_seconds']:.1f} s (median step "
+             f"{t['median_step_seconds'] * 1e3:.0f} ms{rate}); whole run {t['wall_seconds']:.1f} s"]
     mem = s["peak_memory"]
     lines.append(f"peak memory ({mem['kind']}): {_mib(mem['bytes'])}")
     ts = s.get("trainstream")
     if ts and not ts["steps_measured"]:
         lines.append("trainstream: no completed step measured (a step's figures close when the next one begins)")
     elif ts:
+        passes = (f", {ts['engine_steps_per_step']:g} forward passes each" if ts.get("engine_steps_per_step", 1) != 1
+                  else "")
         lines.append(f"trainstream per step: H2D {_mib(ts['h2d_bytes_per_step'])}, D2H {_mib(ts['d2h_bytes_per_step'])}"
-                     f" (median of {ts['steps_measured']} steps); arena {_mib(ts['arena_reserved_bytes'])} reserved; "
+                     f" (median of {ts['steps_measured']} steps{passes}); arena {_mib(ts['arena_reserved_bytes'])} "
+                     "reserved; "
                      f"plan: blocks {ts['plan']['paged_blocks']} paged, activations of "
                      f"{ts['plan']['offloaded_activation_blocks']} offloaded, optimizer state of "
                      f"{ts['plan']['offloaded_optimizer_params']} parameters on the host")
     else:
         lines.append("trainstream: off (wrap=false)")
-    return "\n".join(lines)
+    return lines
+
+
+def _first_last(s: dict, key: str, fmt: str) -> str:
+    first, last = s["train"]["first"].get(key), s["train"]["last"].get(key)
+    return "n/a" if first is None else f"{first:{fmt}} -> {last:{fmt}}"
+
+
+def format_dpo_summary(s: dict) -> str:
+    """The dpo summary: held-out pair figures before / after, the logged training figures first -> last, the run."""
+    h = s["heldout"]
+    if h is None:
+        lines = ["", "held-out evaluation: off (eval.enabled false)", ""]
+    else:
+        b, a = h["before"], h["after"]
+        rows = [("DPO loss", f"{b['loss']:.3f}", f"{a['loss']:.3f}"),
+                ("reward margin (mean)", f"{b['reward_margin']:.3f}", f"{a['reward_margin']:.3f}"),
+                ("reward accuracy (chosen > rejected)", f"{b['reward_accuracy']:.1%}", f"{a['reward_accuracy']:.1%}")]
+        rows += [(f"  rejected by {kind} ({n['pairs']} pairs)", f"{n['reward_accuracy']:.1%}",
+                  f"{a['by_corruption'][kind]['reward_accuracy']:.1%}") for kind, n in b["by_corruption"].items()]
+        rows.append(("policy log-prob: chosen > rejected", f"{b['logp_accuracy']:.1%}", f"{a['logp_accuracy']:.1%}"))
+        lines = format_table(rows, title=f"held-out pairs ({s['pairs']['heldout']})")
+        if b["reward_margin"] == 0.0:
+            lines.insert(-1, "(before training the policy is its reference, LoRA B = 0: every margin is 0, a tie, "
+                             "counted as not ranked right)")
+    lines.append(f"training batches (first -> last log): loss {_first_last(s, 'loss', '.3f')}, reward accuracy "
+                 f"{_first_last(s, 'rewards/accuracies', '.2f')}, margin {_first_last(s, 'rewards/margins', '.3f')}")
+    return "\n".join(lines + format_run(s))
+
+
+def format_grpo_summary(s: dict) -> str:
+    """The grpo summary: held-out greedy rewards before / after, the sampled training rewards first -> last, the
+    run."""
+    h = s["heldout"]
+    if h is None:
+        lines = ["", "held-out evaluation: off (eval.enabled false)", ""]
+    else:
+        b, a = h["before"], h["after"]
+        rows = [(f"reward {name} (greedy)", f"{b['rewards'][name]:.3f}", f"{a['rewards'][name]:.3f}")
+                for name in b["rewards"]]
+        rows.append(("exact match (greedy)", f"{b['exact_match']:.1%} ({b['correct']}/{b['total']})",
+                     f"{a['exact_match']:.1%} ({a['correct']}/{a['total']})"))
+        lines = format_table(rows)
+    lines.append(f"sampled completions (first -> last log): mean reward {_first_last(s, 'reward', '.3f')}, "
+                 f"mean length {_first_last(s, 'completions/mean_length', '.1f')}, "
+                 f"KL {_first_last(s, 'kl', '.4f')}, loss {_first_last(s, 'loss', '.4f')}")
+    curve = s["train"]["curves"].get("reward") or []
+    if curve:
+        lines.append("mean reward by step: " + ", ".join(f"{int(step)}: {v:.3f}" for step, v in curve))
+    return "\n".join(lines + format_run(s))

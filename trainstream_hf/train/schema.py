@@ -1,7 +1,9 @@
 """The options of each recipe, as dataclasses (one section per concern); YAML files under ``configs/`` fill them.
 
 ``RECIPES`` maps a recipe's name (``recipes/<name>.py``) to its config class, so that the configs test can
-validate every YAML against the recipe its first-line command runs.
+validate every YAML against the recipe its first-line command runs. The three recipes share the top-level options
+(:class:`RecipeConfig`) and the ``train``, ``lora`` and ``trainstream`` sections; each adds or narrows what is its own
+(``data.packing`` for sft, the ``dpo`` and ``grpo`` sections).
 """
 from __future__ import annotations
 
@@ -10,15 +12,24 @@ from typing import Literal
 
 from trainstream_hf.config import TrainStreamConfig
 
-__all__ = ["DataArgs", "TrainArgs", "EvalArgs", "LoraArgs", "SFTConfig", "RECIPES"]
+__all__ = ["DataArgs", "SFTDataArgs", "TrainArgs", "EvalArgs", "PairEvalArgs", "LoraArgs", "DPOArgs", "GRPOArgs",
+           "RecipeConfig", "SFTConfig", "DPOConfig", "GRPOConfig", "RECIPES", "CORRUPTIONS", "REWARDS"]
+
+# Names the dpo / grpo sections accept; what they do is in train/data.py (CORRUPT) and train/rewards.py (REWARDS).
+CORRUPTIONS = ("swap", "substitute", "drop", "repeat")
+REWARDS = ("char_overlap", "char_position", "exact_match")
 
 
 def _opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-def _section(cls: type, help: str):
+def _section(cls, help: str):
     return field(default_factory=cls, metadata={"help": help})
+
+
+def _list(default: list, help: str):
+    return field(default_factory=lambda: list(default), metadata={"help": help})
 
 
 @dataclass
@@ -28,11 +39,7 @@ class DataArgs:
     train_file: str = _opt("data/train.jsonl", "Training examples: JSON lines with 'prompt' and 'completion'.")
     test_file: str = _opt("data/test.jsonl", "Held-out examples, same format; evaluated before and after.")
     tokenizer: str = _opt("data/tokenizer", "Local tokenizer directory (tokenizer.json + tokenizer_config.json).")
-    max_length: int = _opt(64, "Longest tokenized example (prompt + completion + specials); longer is an error. "
-                                "With packing: the length of every training sequence.")
-    packing: bool = _opt(False, "Concatenate the tokenized training examples into sequences of exactly max_length "
-                                "tokens (prompt positions still masked out of the loss; attention spans example "
-                                "boundaries), so that a step sees batch_size x max_length tokens.")
+    max_length: int = _opt(64, "Longest tokenized example (prompt + completion + specials); longer is an error.")
 
     def __post_init__(self) -> None:
         if self.max_length < 2:
@@ -40,11 +47,22 @@ class DataArgs:
 
 
 @dataclass
+class SFTDataArgs(DataArgs):
+    """Prompt-completion JSONL files and the tokenizer, all local; optionally packed."""
+
+    max_length: int = _opt(64, "Longest tokenized example (prompt + completion + specials); longer is an error. "
+                                "With packing: the length of every training sequence.")
+    packing: bool = _opt(False, "Concatenate the tokenized training examples into sequences of exactly max_length "
+                                "tokens (prompt positions still masked out of the loss; attention spans example "
+                                "boundaries), so that a step sees batch_size x max_length tokens.")
+
+
+@dataclass
 class TrainArgs:
     """The optimisation: AdamW, a warm-up schedule, gradient clipping."""
 
     steps: int = _opt(250, "Optimizer steps.")
-    batch_size: int = _opt(64, "Examples per step.")
+    batch_size: int = _opt(64, "Examples per step (grpo: completions per step, grpo.num_generations per prompt).")
     lr: float = _opt(3e-3, "Peak learning rate.")
     weight_decay: float = _opt(0.01, "AdamW weight decay.")
     betas: tuple[float, float] = _opt((0.9, 0.98), "AdamW betas.")
@@ -66,7 +84,8 @@ class TrainArgs:
 
 @dataclass
 class EvalArgs:
-    """Held-out evaluation: teacher-forced loss and greedy exact match, before and after training."""
+    """Held-out evaluation before and after training: greedy completions scored by exact match (sft: and the
+    teacher-forced loss; grpo: and the rewards)."""
 
     enabled: bool = _opt(True, "Evaluate before and after training. false: no evaluation (benchmark configs: random "
                                "weights have nothing to show, and a model larger than the GPU is never whole on it).")
@@ -79,6 +98,23 @@ class EvalArgs:
         if self.examples < 0 or self.batch_size < 1 or self.max_new_tokens < 1 or self.show < 0:
             raise ValueError("examples >= 0, batch_size >= 1, max_new_tokens >= 1 and show >= 0 expected, got "
                              f"{self.examples}, {self.batch_size}, {self.max_new_tokens}, {self.show}")
+
+
+@dataclass
+class PairEvalArgs:
+    """Held-out preference pairs (made from data.test_file as the training pairs are), scored before and after
+    training: the DPO loss against the reference, the implicit-reward accuracy and margin, and how often the policy
+    itself gives the chosen completion the higher log-probability."""
+
+    enabled: bool = _opt(True, "Evaluate before and after training.")
+    examples: int = _opt(300, "Held-out pairs to evaluate (from the first N examples of data.test_file); 0: all.")
+    batch_size: int = _opt(100, "Pairs per evaluation batch.")
+    show: int = _opt(4, "Held-out pairs printed after training, with their log-probabilities.")
+
+    def __post_init__(self) -> None:
+        if self.examples < 0 or self.batch_size < 1 or self.show < 0:
+            raise ValueError("examples >= 0, batch_size >= 1 and show >= 0 expected, got "
+                             f"{self.examples}, {self.batch_size}, {self.show}")
 
 
 @dataclass
@@ -98,9 +134,81 @@ class LoraArgs:
             raise ValueError(f"dropout: in [0, 1), got {self.dropout}")
 
 
+def _lora8() -> LoraArgs:
+    return LoraArgs(r=8)
+
+
+def _check_unique(name: str, values: list[str], allowed: tuple[str, ...]) -> None:
+    if not values:
+        raise ValueError(f"{name}: at least one of {', '.join(map(repr, allowed))}, got []")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name}: each of {', '.join(map(repr, allowed))} at most once, got {values}")
+
+
 @dataclass
-class SFTConfig:
-    """Supervised fine-tuning of a causal LM on prompt-completion data (recipes/sft.py)."""
+class DPOArgs:
+    """Direct preference optimisation (TRL's DPOTrainer through trainstream_hf.integrations.trl) on pairs made from
+    the prompt-completion data: chosen = the completion, rejected = the completion corrupted."""
+
+    beta: float = _opt(0.1, "KL temperature: the implicit reward is beta x (policy - reference) log-probability.")
+    loss_type: Literal["sigmoid", "hinge"] = _opt(
+        "sigmoid", "'sigmoid': -log sigmoid(beta x margin) (the DPO paper); 'hinge': relu(1 - beta x margin).")
+    corruptions: list[Literal["swap", "substitute", "drop", "repeat"]] = _list(
+        CORRUPTIONS, "How a rejected completion is made from the correct one, one kind per pair drawn from this "
+                           "list (seeded): 'swap' two different adjacent characters, 'substitute' one character by "
+                           "another of the same kind (lowercase, uppercase, digit), 'drop' one character, 'repeat' "
+                           "one character.")
+    ref_chunk_tokens: int = _opt(1024, "Completion tokens per LM-head chunk when the reference (the model with its "
+                                       "adapters off) is scored; bounds that pass's largest tensor.")
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"beta: must be > 0, got {self.beta}")
+        _check_unique("corruptions", list(self.corruptions), CORRUPTIONS)
+        self.corruptions = list(self.corruptions)
+        if self.ref_chunk_tokens < 1:
+            raise ValueError(f"ref_chunk_tokens: at least 1, got {self.ref_chunk_tokens}")
+
+
+@dataclass
+class GRPOArgs:
+    """Group relative policy optimisation (TRL's GRPOTrainer through trainstream_hf.integrations.trl): completions
+    sampled for each training prompt, scored against the prompt's reference completion."""
+
+    num_generations: int = _opt(8, "Completions sampled per prompt (a group); train.batch_size must be a multiple.")
+    max_completion_length: int = _opt(8, "Sampling stops at <eos> or after this many tokens.")
+    temperature: float = _opt(1.0, "Sampling temperature.")
+    beta: float = _opt(0.04, "KL coefficient against the reference (the model with its LoRA adapters off); 0: no KL "
+                             "term and no reference pass.")
+    rewards: list[Literal["char_overlap", "char_position", "exact_match"]] = _list(
+        ["char_overlap"], "Reward functions of a completion and the prompt's answer, summed (trainstream_hf/train/"
+                          "rewards.py): 'char_overlap' (F1 of the characters they share, with multiplicity, in any "
+                          "order), 'char_position' (positions where they agree / the longer length), 'exact_match' "
+                          "(1 if equal, else 0).")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = _opt(
+        "dapo", "How token losses are averaged (TRL's GRPOConfig.loss_type).")
+    scale_rewards: Literal["group", "batch", "none"] = _opt(
+        "group", "Advantages divided by the rewards' standard deviation in each group, over the batch, or not at all.")
+    ref_chunk_tokens: int = _opt(1024, "Completion tokens per LM-head chunk when the reference is scored.")
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations: at least 2 (advantages compare completions of one prompt), got "
+                             f"{self.num_generations}")
+        if self.max_completion_length < 1 or self.ref_chunk_tokens < 1:
+            raise ValueError("max_completion_length and ref_chunk_tokens: at least 1, got "
+                             f"{self.max_completion_length}, {self.ref_chunk_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        if self.beta < 0:
+            raise ValueError(f"beta: must be >= 0, got {self.beta}")
+        _check_unique("rewards", list(self.rewards), REWARDS)
+        self.rewards = list(self.rewards)
+
+
+@dataclass
+class RecipeConfig:
+    """What every recipe reads: the model, where it runs, the data, the optimisation, adapters and the engine."""
 
     model: str = _opt("configs/models/tiny-llama.json",
                       "With init=random: a model config JSON (transformers config kwargs with model_type) or a "
@@ -113,7 +221,7 @@ class SFTConfig:
                 "(its mixed_precision), 'no' without accelerate launch.")
     device: str = _opt("auto", "Compute device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'.")
     seed: int = _opt(0, "Seeds the weights' initialisation and the order of the batches.")
-    output_dir: str = _opt("build/sft", "Where summary.json (and the model, with save_model) are written.")
+    output_dir: str = _opt("build/run", "Where summary.json (and the model, with save_model) are written.")
     save_model: bool = _opt(False, "Also save the trained model and tokenizer to output_dir/model.")
     wrap: bool = _opt(True, "Train through trainstream_hf.wrap with the trainstream section's options; false "
                             "trains the plain model (the baseline).")
@@ -132,4 +240,47 @@ class SFTConfig:
                              "null for a full fine-tune")
 
 
-RECIPES: dict[str, type] = {"sft": SFTConfig}
+@dataclass
+class SFTConfig(RecipeConfig):
+    """Supervised fine-tuning of a causal LM on prompt-completion data (recipes/sft.py)."""
+
+    output_dir: str = _opt("build/sft", "Where summary.json (and the model, with save_model) are written.")
+    data: SFTDataArgs = _section(SFTDataArgs, "Data files and tokenizer.")
+
+
+@dataclass
+class DPOConfig(RecipeConfig):
+    """Direct preference optimisation of LoRA adapters on pairs made from prompt-completion data (recipes/dpo.py)."""
+
+    output_dir: str = _opt("build/dpo", "Where summary.json (and the adapters, with save_model) are written.")
+    eval: PairEvalArgs = _section(PairEvalArgs, "Held-out preference pairs.")
+    lora: LoraArgs = _section(_lora8, "LoRA adapters; required (the reference is the model with them off).")
+    dpo: DPOArgs = _section(DPOArgs, "The DPO objective and how the pairs are made.")
+
+    def __post_init__(self) -> None:
+        if self.lora.r is None:
+            raise ValueError("lora.r: null would train every parameter, but the DPO reference is the same model with "
+                             "its LoRA adapters switched off (one model in memory): set lora.r (e.g. 8)")
+        super().__post_init__()
+
+
+@dataclass
+class GRPOConfig(RecipeConfig):
+    """Group relative policy optimisation on prompts of prompt-completion data, rewarded against the completion
+    (recipes/grpo.py)."""
+
+    output_dir: str = _opt("build/grpo", "Where summary.json (and the adapters, with save_model) are written.")
+    lora: LoraArgs = _section(_lora8, "LoRA adapters (r: null trains every parameter; needs grpo.beta 0).")
+    grpo: GRPOArgs = _section(GRPOArgs, "Sampling, rewards and the GRPO objective.")
+
+    def __post_init__(self) -> None:
+        if self.lora.r is None and self.grpo.beta > 0:
+            raise ValueError(f"grpo.beta={self.grpo.beta} needs a reference, which is the model with its LoRA adapters "
+                             "switched off: set lora.r (e.g. 8), or grpo.beta 0 for a full fine-tune without a KL term")
+        if self.train.batch_size % self.grpo.num_generations:
+            raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of grpo.num_generations="
+                             f"{self.grpo.num_generations} (completions per step = prompts x completions per prompt)")
+        super().__post_init__()
+
+
+RECIPES: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}

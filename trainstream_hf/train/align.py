@@ -1,0 +1,257 @@
+"""What the dpo and grpo recipes share: the run's set-up, the policy (a base model and its LoRA config), TRL's
+arguments and the engine's config from the recipe's sections, a progress bar that times every step, the trainer's
+logged metrics as curves, and the summary's common part.
+
+Both recipes train through TRL 1.16's trainers as :mod:`trainstream_hf.integrations.trl` subclasses them: the engine
+(the ``trainstream`` section, when ``wrap`` is true) is installed by a ``TrainStreamCallback`` when training begins
+and taken out when it ends, and the reference is the policy with its LoRA adapters switched off (one model in
+memory). The Trainer places the model on the device whole before it starts, so these recipes train models that fit
+there (the engine then pages what its plan says); sft's own loop builds larger ones straight into host RAM.
+"""
+from __future__ import annotations
+
+import contextlib
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+from trainstream_hf.engine.hooks import BlockListener
+from trainstream_hf.train import data, model as models, report
+from trainstream_hf.train.config import ConfigError, parse_args, to_dict
+from trainstream_hf.wrap import engine_of
+
+__all__ = ["Run", "setup", "build_policy", "engine_config", "trl_arguments", "workdir", "Progress", "curves",
+           "summary"]
+
+
+@dataclass
+class Run:
+    """A recipe run's settings, resolved: the config, the command that started it, the start time, the autocast
+    mode, the compute device and the tokenizer."""
+
+    cfg: Any
+    command: str
+    started: float
+    mixed: str
+    device: torch.device
+    tokenizer: Any
+
+
+def setup(recipe: str, cls: type, argv: list[str] | None, description: str) -> Run:
+    """Parses ``--config FILE`` and the overrides into ``cls`` and checks, before any work, what the run needs:
+    the autocast mode and device, a writable ``output_dir`` (created only when the run ends), the tokenizer, and
+    engine options TRL's Trainer can honour.
+
+    Raises:
+        ConfigError, FileNotFoundError, NotADirectoryError, PermissionError: naming the option.
+    """
+    import datasets
+
+    # transformers 5.24 deprecates the gradient_checkpointing names that TRL 1.16 still uses (its config field, and
+    # disable_gradient_checkpointing around every reference pass): one FutureWarning per use, nothing to act on.
+    warnings.filterwarnings("ignore", message=r"`\w*gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = shlex.join(["python", f"recipes/{recipe}.py", *argv])
+    cfg = parse_args(cls, argv, description=description)
+    mixed = models.resolve_mixed_precision(cfg.mixed_precision)
+    device = models.resolve_device(cfg.device)
+    if device.type == "cuda" and device.index != 0:
+        # TRL's Trainer trains on the process's first visible GPU.
+        raise ConfigError(f"device={cfg.device!r}: the dpo and grpo recipes train on cuda:0; pick the GPU with "
+                          "CUDA_VISIBLE_DEVICES instead")
+    if cfg.wrap and cfg.trainstream.grads == "host" and cfg.train.max_grad_norm:
+        raise ConfigError("trainstream.grads='host' keeps gradients where the Trainer's clipping cannot see them: set "
+                          "train.max_grad_norm null, or trainstream.grads 'device' or 'auto'")
+    report.check_output_dir(cfg.output_dir)
+    datasets.disable_progress_bars()  # one bar: the training loop's
+    tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+    return Run(cfg, command, started, mixed, device, tokenizer)
+
+
+def build_policy(run: Run):
+    """The base model, built on the device (random weights, or a local checkpoint; packed as built with
+    ``trainstream.quantize``), and the ``peft.LoraConfig`` of the ``lora`` section (None with ``lora.r`` null).
+    The trainer adds the adapters, so that its reference is the base with them off."""
+    cfg, ts = run.cfg, run.cfg.trainstream
+    model = models.build_model(cfg.model, cfg.init, cfg.dtype, vocab_size=len(run.tokenizer), seed=cfg.seed,
+                               device=run.device, home=run.device, quantize=ts.quantize, outliers=ts.outliers)
+    if cfg.lora.r is None:
+        return model, None
+    lora = cfg.lora
+    return model, models.lora_config(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                                     target_modules=lora.target_modules)
+
+
+def engine_config(run: Run, batch_shape: tuple[int, int]):
+    """The ``trainstream`` section as the trainer's ``trainstream_config`` (None with ``wrap`` false): the base was
+    quantized as it was built, and ``batch_shape`` (sequences x tokens of one forward) sizes the plan unless the
+    section gives one."""
+    if not run.cfg.wrap:
+        return None
+    ts = run.cfg.trainstream
+    return replace(ts, batch_shape=ts.batch_shape or tuple(batch_shape), quantize=None, outliers=0.0,
+                   device=ts.device or str(run.device))
+
+
+def trl_arguments(run: Run, config_cls: type, output_dir: str, **recipe_args):
+    """TRL's ``DPOConfig`` / ``GRPOConfig`` from the ``train`` section and the run, plus ``recipe_args``.
+
+    Nothing is saved through the Trainer (``save_strategy="no"``, no reporting integration); ``output_dir`` is a
+    scratch directory (:func:`workdir`). A log every ``train.log_every`` steps, and one after the first step.
+    """
+    cfg, tc = run.cfg, run.cfg.train
+    return config_cls(
+        output_dir=output_dir, max_steps=tc.steps, per_device_train_batch_size=tc.batch_size,
+        gradient_accumulation_steps=1, learning_rate=tc.lr, weight_decay=tc.weight_decay, adam_beta1=tc.betas[0],
+        adam_beta2=tc.betas[1], warmup_steps=tc.warmup_steps, lr_scheduler_type=tc.scheduler,
+        max_grad_norm=tc.max_grad_norm or 0.0, logging_steps=tc.log_every, logging_first_step=True, report_to=[],
+        save_strategy="no", seed=cfg.seed, use_cpu=run.device.type == "cpu", bf16=run.mixed == "bf16",
+        dataloader_num_workers=0,
+        # TRL turns gradient checkpointing on by default; what to recompute is the engine's plan's call
+        # (trainstream.recompute), and the wrap=false baseline recomputes nothing either.
+        gradient_checkpointing=False, **recipe_args)
+
+
+@contextlib.contextmanager
+def workdir() -> Iterator[str]:
+    """A scratch directory for the Trainer's ``output_dir``, removed afterwards: the run writes only its
+    ``output_dir``, and only when it ends."""
+    with tempfile.TemporaryDirectory(prefix="trainstream-recipe-") as path:
+        yield path
+
+
+class _EngineSteps(BlockListener):
+    """Collects the figures of every engine step as it closes. The engine's step runs from one forward of block 0
+    to the next, so one optimizer step of these trainers holds several: the reference pass, each generated token
+    (GRPO), and the policy's forward, backward and optimizer step."""
+
+    pack_priority = 1000  # after the engine's own step clock, which closes the previous step's figures
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.closed: list[dict] = []
+
+    def step_start(self) -> None:
+        s = self.engine.stats()
+        if s and (not self.closed or s["step"] != self.closed[-1]["step"]):
+            self.closed.append(s)
+
+
+class Progress(TrainerCallback):
+    """One progress bar showing the logged figures named in ``shown`` (transformers' own bar, which also prints
+    every log, is taken out), the wall time of every optimizer step (its generation included, for GRPO), and, while
+    the engine is installed, its plan and what it moved in each optimizer step (the sum over the engine steps that
+    closed during it, :class:`_EngineSteps`).
+
+    Args:
+        desc: the bar's label.
+        shown: logged key -> label on the bar, e.g. ``{"loss": "loss", "reward": "reward"}``.
+    """
+
+    def __init__(self, desc: str, shown: dict[str, str]):
+        self.desc, self.shown = desc, shown
+        self.seconds: list[float] = []
+        self.moved: list[dict] = []  # per optimizer step: bytes each way and engine steps closed
+        self.plan: dict | None = None
+        self.bar = None
+        self._listener: _EngineSteps | None = None
+        self._t0 = 0.0
+
+    @classmethod
+    def attach(cls, trainer, desc: str, shown: dict[str, str]) -> "Progress":
+        """A ``Progress`` added to ``trainer`` (after its engine callback, so that the engine is in when this one's
+        ``on_train_begin`` runs), in place of transformers' progress bar."""
+        trainer.remove_callback(ProgressCallback)
+        progress = cls(desc, shown)
+        trainer.add_callback(progress)
+        return progress
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from tqdm.auto import tqdm
+
+        engine = engine_of(model) if model is not None else None
+        if engine is not None:
+            self.plan = report.plan_summary(engine.plan)
+            self._listener = _EngineSteps(engine)
+            engine.hooks.add(self._listener)
+        self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self._t0)
+        if self._listener is not None and self._listener.closed:
+            closed, self._listener.closed = self._listener.closed, []
+            self.moved.append({"h2d_bytes": sum(s["h2d_bytes"] for s in closed),
+                               "d2h_bytes": sum(s["d2h_bytes"] for s in closed),
+                               "engine_steps": len(closed), "last": closed[-1]})
+        self.bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        figures = {label: f"{logs[key]:.3g}" for key, label in self.shown.items() if key in (logs or {})}
+        if figures and self.bar is not None:
+            self.bar.set_postfix(figures)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+    def engine(self) -> dict | None:
+        """The summary's ``trainstream`` section (None when the engine was not installed): medians per optimizer
+        step. The first step is left out: the engine closes a step's figures when the next forward begins, so the
+        first optimizer step sees only its own reference pass / generation, not its training step."""
+        if self.plan is None:
+            return None
+        full = self.moved[1:]
+        out: dict = {"plan": self.plan, "steps_measured": len(full)}
+        if full:
+            last = full[-1]["last"]
+            out.update({"h2d_bytes_per_step": statistics.median(m["h2d_bytes"] for m in full),
+                        "d2h_bytes_per_step": statistics.median(m["d2h_bytes"] for m in full),
+                        "engine_steps_per_step": statistics.median(m["engine_steps"] for m in full),
+                        "arena_reserved_bytes": last["arena_reserved_bytes"],
+                        "arena_used_bytes": last["arena_used_bytes"], "last_engine_step": last})
+            peaks = [m["last"]["peak_allocated_bytes"] for m in full if "peak_allocated_bytes" in m["last"]]
+            if peaks:
+                out["peak_allocated_bytes"] = max(peaks)
+        return out
+
+
+def curves(log_history: list[dict], keys: list[str]) -> dict[str, list[list[float]]]:
+    """``{key: [[step, value], ...]}`` of each of ``keys`` over the Trainer's step logs (each value the mean over
+    the steps since the previous log, as TRL logs its metrics)."""
+    return {k: [[h["step"], h[k]] for h in log_history if k in h and "step" in h] for k in keys}
+
+
+def summary(run: Run, recipe: str, model, counts: dict, progress: Progress, log_history: list[dict],
+            results: dict) -> dict:
+    """The run summary: what ran (command, versions, config, model), ``results`` (the recipe's own figures), then
+    timing, peak memory and the engine's figures."""
+    cfg = run.cfg
+    train_seconds = sum(progress.seconds)
+    tokens = [h["num_tokens"] for h in log_history if "num_tokens" in h]
+    return {
+        "recipe": recipe, **report.run_info(run.device, run.command), "config": to_dict(cfg),
+        "model": {"type": model.config.model_type, **counts, "dtype": cfg.dtype, "quantize": cfg.trainstream.quantize,
+                  "lora_r": cfg.lora.r},
+        "mixed_precision": run.mixed,
+        "steps": len(progress.seconds),
+        **results,
+        "timing": {"train_seconds": train_seconds, "median_step_seconds": statistics.median(progress.seconds),
+                   # TRL counts the tokens of the sequences it trained on (num_tokens, logged cumulatively)
+                   "tokens_per_second": tokens[-1] / train_seconds if tokens else None,
+                   "wall_seconds": time.perf_counter() - run.started},
+        "peak_memory": report.peak_memory(run.device),
+        "trainstream": progress.engine(),
+    }
