@@ -384,8 +384,40 @@ def test_wrap_pages_a_quantized_lora_base_exactly(fmt):
     ts.unwrap(model)
 
 
-def test_wrap_quantize_option_is_refused_not_ignored():
-    model = _llama()
-    with pytest.raises(ValueError, match="quantize_model"):
+def test_wrap_quantize_packs_the_frozen_base_of_a_lora_model():
+    """wrap(quantize=...) packs a PEFT model's frozen base layers in place (adapters and head untouched) and then
+    trains: the same losses as packing by hand with quantize_frozen_base and wrapping without the option."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainstream_hf.quant import QuantLinear, quantize_frozen_base
+
+    torch.manual_seed(0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(_llama(), LoraConfig(r=4, target_modules=targets))
+    ref = copy.deepcopy(model)
+    quantize_frozen_base(ref, "nf4")
+    lora = [p for p in model.parameters() if p.requires_grad]
+    model, opt = ts.wrap(model, torch.optim.AdamW(lora, lr=1e-3), quantize="nf4", host_arena=None)
+    packed = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert len(packed) == 7 * len(model.base_model.model.model.layers)
+    assert all(n.endswith("base_layer") for n in packed) and not isinstance(model.base_model.model.lm_head, QuantLinear)
+    assert all(p.requires_grad for p in lora) and opt.param_groups[0]["params"][0] is lora[0]
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    for s in range(2):
+        ids = _batch(s)
+        la = ref(input_ids=ids, labels=ids).loss
+        lb = model(input_ids=ids, labels=ids).loss
+        assert torch.equal(la, lb)
+        la.backward(); lb.backward()
+        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    ts.unwrap(model)
+
+
+def test_wrap_quantize_bad_input():
+    model = _llama()  # a full fine-tune: no frozen linear layer to pack
+    with pytest.raises(ValueError, match="frozen linear layers"):
         ts.wrap(model, None, quantize="nf4", host_arena=None)
+    assert ts.engine_of(model) is None
+    with pytest.raises(ValueError, match="set quantize too"):
+        ts.wrap(model, None, outliers=0.01, host_arena=None)
     assert ts.engine_of(model) is None

@@ -24,6 +24,7 @@ from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.engine.streams import TransferStreams
 from trainstream_hf.engine.trace import Timeline
 from trainstream_hf.engine.weights import WeightPager
+from trainstream_hf.quant.model import quantize_frozen_base
 
 __all__ = ["wrap", "unwrap", "Engine", "engine_of"]
 
@@ -246,12 +247,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
-    if config.quantize is not None or config.outliers:
-        # Quantizing inside wrap would have to tell a PEFT model's frozen base layers from its adapters;
-        # until the HF integration does that at load time (issue 5), it is an explicit step.
-        raise ValueError("wrap(quantize=...) is not supported yet: quantize the frozen base first with "
-                         "trainstream_hf.quantize_model(model, quantize, outliers=...), then add LoRA "
-                         "(register_quant_lora) and wrap")
+    if config.outliers and config.quantize is None:
+        raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: set quantize too")
+    if config.quantize is not None:
+        # The frozen linear layers (a PEFT model's base; never a trainable layer or the output head) are packed in
+        # place, one at a time, before the plan measures anything. This is not undone if wrap fails later.
+        quantize_frozen_base(model, config.quantize, config.outliers)
     device = _compute_device(model)
     if config.device is not None:
         device = torch.device(config.device)

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamCallback", "TrainStreamEnvCallback", "TrainStreamTrainingArguments", "TrainStreamTrainer",
@@ -52,37 +53,6 @@ def log_figures(stats: dict) -> dict[str, float]:
     if isinstance(opt.get("adam_seconds"), float):
         out["trainstream/cpu_adamw_seconds"] = opt["adam_seconds"]
     return out
-
-
-def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0) -> list[str]:
-    """Packs the frozen ``nn.Linear`` layers of ``model`` in place (a PEFT model's base layers; never a trainable one,
-    never the output head), one layer at a time on the device each weight is on.
-
-    Args:
-        model: the model about to train (e.g. a ``PeftModel``); changed in place, parameter objects of the trainable
-            layers untouched (an optimizer built over them stays valid).
-        quantize: a format of ``trainstream_hf.quant.FORMATS``.
-        outliers: see :class:`~trainstream_hf.QuantLinear`.
-
-    Returns:
-        The qualified names of the layers packed.
-
-    Raises:
-        ValueError: no frozen linear layer (a full fine-tune has nothing to pack).
-    """
-    from trainstream_hf.quant import QuantLinear, quantize_model
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    frozen, keep = [], []
-    for name, m in model.named_modules():
-        if type(m) is not nn.Linear:
-            continue
-        (frozen if not m.weight.requires_grad and m is not head else keep).append(name)
-    if not frozen:
-        raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
-                         "layer trains): add PEFT LoRA adapters, or leave quantize unset")
-    quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",))
-    return [n for n in frozen if isinstance(model.get_submodule(n), QuantLinear)]
 
 
 class TrainStreamCallback(TrainerCallback):

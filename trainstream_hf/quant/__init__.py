@@ -13,7 +13,7 @@ from trainstream_hf.quant.formats import (  # noqa: F401
     quantize,
 )
 from trainstream_hf.quant.linear import QuantLinear  # noqa: F401
-from trainstream_hf.quant.model import quantize_model  # noqa: F401
+from trainstream_hf.quant.model import quantize_frozen_base, quantize_model  # noqa: F401
 
 __all__ = ["FORMATS", "QuantFormat", "QuantizedTensor", "QuantLinear", "dequantize", "get_format",
-           "nvfp4_blocked_scales", "packed_nbytes", "quantize", "quantize_model"]
+           "nvfp4_blocked_scales", "packed_nbytes", "quantize", "quantize_frozen_base", "quantize_model"]

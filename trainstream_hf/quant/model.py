@@ -10,7 +10,7 @@ from trainstream_hf.quant import outliers as _outliers
 from trainstream_hf.quant.formats import QuantFormat, get_format
 from trainstream_hf.quant.linear import QuantLinear, _is_conv1d, linear_weight
 
-__all__ = ["quantize_model"]
+__all__ = ["quantize_model", "quantize_frozen_base"]
 
 
 def _is_target(module: nn.Module) -> bool:
@@ -101,3 +101,32 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
         setattr(parent, child, new)
         del old, new
     return model
+
+
+def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0) -> list[str]:
+    """Packs the frozen ``nn.Linear`` layers of ``model`` in place (a PEFT model's base layers; never a trainable one,
+    never the output head), one layer at a time on the device each weight is on.
+
+    Args:
+        model: the model about to train (e.g. a ``PeftModel``); changed in place, parameter objects of the trainable
+            layers untouched (an optimizer built over them stays valid).
+        quantize: a format of ``trainstream_hf.quant.FORMATS``.
+        outliers: see :class:`~trainstream_hf.QuantLinear`.
+
+    Returns:
+        The qualified names of the layers packed.
+
+    Raises:
+        ValueError: no frozen linear layer (a full fine-tune has nothing to pack).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    frozen, keep = [], []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        (frozen if not m.weight.requires_grad and m is not head else keep).append(name)
+    if not frozen:
+        raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
+                         "layer trains): add PEFT LoRA adapters, or leave quantize unset")
+    quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",))
+    return [n for n in frozen if isinstance(model.get_submodule(n), QuantLinear)]
