@@ -60,13 +60,10 @@ def main(argv: list[str] | None = None) -> dict:
         after = heldout()
 
     history = trainer.state.log_history
-    train_curves = align.curves(history, LOGGED)
     summary = align.summary(run, "dpo", model, counts, progress, history, {
         "pairs": {"train": len(pairs), "heldout": len(test_pairs) if before else 0},
-        "heldout": {"before": {k: v for k, v in before.items() if k != "pairs"},
-                    "after": {k: v for k, v in after.items() if k != "pairs"}} if before else None,
-        "train": {"first": {k: c[0][1] for k, c in train_curves.items() if c},
-                  "last": {k: c[-1][1] for k, c in train_curves.items() if c}, "curves": train_curves},
+        "heldout": align.before_after(before, after, "pairs"),
+        "train": align.train_curves(history, LOGGED),
         "pairs_after": after["pairs"][:cfg.eval.show] if after else [],
     })
     if cfg.save_model:

@@ -61,12 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
         after = heldout()
 
     history = trainer.state.log_history
-    train_curves = align.curves(history, logged)
     summary = align.summary(run, "grpo", model, counts, progress, history, {
-        "heldout": {"before": {k: v for k, v in before.items() if k != "predictions"},
-                    "after": {k: v for k, v in after.items() if k != "predictions"}} if before else None,
-        "train": {"first": {k: c[0][1] for k, c in train_curves.items() if c},
-                  "last": {k: c[-1][1] for k, c in train_curves.items() if c}, "curves": train_curves},
+        "heldout": align.before_after(before, after, "predictions"),
+        "train": align.train_curves(history, logged),
         "predictions_after": after["predictions"][:cfg.eval.show] if after else [],
     })
     if cfg.save_model:

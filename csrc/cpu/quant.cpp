@@ -22,6 +22,7 @@
 
 #include <torch/library.h>
 
+#include "../include/quant_checks.h"
 #include "../include/quant_formats.h"
 #include "../include/trainstream.h"
 #include "../runtime/thread_pool.h"
@@ -74,28 +75,9 @@ inline uint8_t e2m1_encode(float v) {
   return static_cast<uint8_t>(c | (std::signbit(v) ? 8 : 0));
 }
 
-// User errors raise the Python exception types the references raise: ValueError (TORCH_CHECK_VALUE) and
-// TypeError (TORCH_CHECK_TYPE).
-void check_weight(const at::Tensor& w, const char* op, int64_t multiple) {
-  TORCH_CHECK_VALUE(w.dim() == 2, op, ": weight must be 2-D (out_features, in_features), got shape ", w.sizes());
-  const auto t = w.scalar_type();
-  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
-                   ": weight must be float32, bfloat16 or float16, got ", t);
-  TORCH_CHECK_VALUE(w.numel() > 0, op, ": weight is empty (shape ", w.sizes(), ")");
-  TORCH_CHECK_VALUE(w.size(1) % multiple == 0, op, ": in_features must be a multiple of ", multiple, ", got ",
-                    w.size(1), "; pad the weight's columns (and the input's features) with zeros");
-}
-
-void check_out_dtype(at::ScalarType dtype, const char* op) {
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
-}
-
-void check_buffer(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype,
-                  at::IntArrayRef sizes) {
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == sizes, op, ": ", name, " must have shape ", sizes, ", got ", t.sizes());
-}
+using quant::check_buffer;
+using quant::check_out_dtype;
+using quant::check_weight;
 
 // Calls fn(const T* x) with the weight's data as float / BFloat16 / Half.
 template <typename Fn>

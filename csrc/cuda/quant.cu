@@ -41,6 +41,7 @@
 #include <optional>
 #include <torch/library.h>
 
+#include "../include/quant_checks.h"
 #include "../include/quant_formats.h"
 
 namespace trainstream {
@@ -688,25 +689,12 @@ __global__ void __launch_bounds__(kThreads) transpose_bytes_kernel(const uint8_t
 // ---------------------------------------------------------------------------------------------------------------
 // Host side: checks (same messages and exception types as the CPU kernels), dtype dispatch, launches.
 
-void check_weight(const at::Tensor& w, const char* op, int64_t multiple) {
-  TORCH_CHECK_VALUE(w.dim() == 2, op, ": weight must be 2-D (out_features, in_features), got shape ", w.sizes());
-  const auto t = w.scalar_type();
-  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
-                   ": weight must be float32, bfloat16 or float16, got ", t);
-  TORCH_CHECK_VALUE(w.numel() > 0, op, ": weight is empty (shape ", w.sizes(), ")");
-  TORCH_CHECK_VALUE(w.size(1) % multiple == 0, op, ": in_features must be a multiple of ", multiple, ", got ",
-                    w.size(1), "; pad the weight's columns (and the input's features) with zeros");
-}
-
-void check_out_dtype(at::ScalarType dtype, const char* op) {
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
-}
+using quant::check_out_dtype;
+using quant::check_weight;
 
 void check_buffer(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype,
                   at::IntArrayRef sizes, const at::Device& device) {
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == sizes, op, ": ", name, " must have shape ", sizes, ", got ", t.sizes());
+  quant::check_buffer(t, op, name, dtype, sizes);
   TORCH_CHECK(t.device() == device, op, ": ", name, " must be on ", device, " like data, got ", t.device());
 }
 

@@ -86,6 +86,18 @@ def test_paging_and_activation_offload_bit_exact_cuda(dtype):
         assert torch.equal(p, q)
 
 
+def _max_diff_after_20_steps(ref, ref_opt, model, opt) -> float:
+    """20 steps of both models on the same batches, then max |parameter difference| (model unwrapped)."""
+    for s in range(20):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            ids = _ids(s)
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    ts.unwrap(model)
+    return max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
+
+
 @pytest.mark.parametrize("grads", ["device", "host"])
 def test_offloaded_adamw_with_paging_matches_torch_cuda(grads):
     ref = _llama(torch.float32)
@@ -94,15 +106,7 @@ def test_offloaded_adamw_with_paging_matches_torch_cuda(grads):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = ts.wrap(model, opt, **FORCE, grads=grads)
     assert type(opt).__name__ == "OffloadedAdamW" and ts.engine_of(model).pager.paged_parameters()
-    for s in range(20):
-        for m, o in ((ref, ref_opt), (model, opt)):
-            ids = _ids(s)
-            m(input_ids=ids, labels=ids).loss.backward()
-            o.step()
-            o.zero_grad()
-    ts.unwrap(model)
-    diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
-    assert diff < 1e-6
+    assert _max_diff_after_20_steps(ref, ref_opt, model, opt) < 1e-6
 
 
 def test_model_in_host_ram_paged_onto_the_gpu():
@@ -148,12 +152,4 @@ def test_overlapped_step_on_cuda_matches_torch(grads):
     model, opt = ts.wrap(model, opt, offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB",
                          page_weights=False, offload_activations=False, grads=grads)
     assert opt.overlap_step  # 'auto' on CUDA
-    for s in range(20):
-        for m, o in ((ref, ref_opt), (model, opt)):
-            ids = _ids(s)
-            m(input_ids=ids, labels=ids).loss.backward()
-            o.step()
-            o.zero_grad()
-    ts.unwrap(model)
-    diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
-    assert diff < 1e-6
+    assert _max_diff_after_20_steps(ref, ref_opt, model, opt) < 1e-6

@@ -15,13 +15,6 @@ from peft import get_peft_model  # noqa: E402
 from trainstream_hf.integrations.peft import quant_lora_config  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):

@@ -15,13 +15,6 @@ from trainstream_hf.quant.lora import QuantLoraLinear  # noqa: E402
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 def _llama(seed=0):
     torch.manual_seed(seed)

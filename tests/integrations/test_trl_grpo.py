@@ -96,13 +96,6 @@ def _count_models():
     return sum(isinstance(o, LlamaForCausalLM) for o in gc.get_objects())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 def test_grpo_lora_beta_single_model_reference_and_engine(tmp_path):
     tok = _tokenizer()

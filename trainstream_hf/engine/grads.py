@@ -165,8 +165,7 @@ class HostGradients:
             return
         buf, stage, transfer = entry
         transfer.synchronize()
-        buf.wait()
-        self._widen(buf)
+        buf.wait()  # (a bf16 first term was widened before this term was staged, in _on_grad)
         if buf.filled:
             buf.host.add_(stage)
         else:

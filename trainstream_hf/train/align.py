@@ -234,6 +234,22 @@ def curves(log_history: list[dict], keys: list[str]) -> dict[str, list[list[floa
     return {k: [[h["step"], h[k]] for h in log_history if k in h and "step" in h] for k in keys}
 
 
+def train_curves(log_history: list[dict], keys: list[str]) -> dict:
+    """The summary's ``train`` section: each logged metric's first and last value, and its whole curve."""
+    c = curves(log_history, keys)
+    return {"first": {k: v[0][1] for k, v in c.items() if v}, "last": {k: v[-1][1] for k, v in c.items() if v},
+            "curves": c}
+
+
+def before_after(before: dict | None, after: dict | None, drop: str) -> dict | None:
+    """The summary's ``heldout`` section: the held-out figures before and after training, without the ``drop``
+    list (shown separately); None when there was no evaluation."""
+    if not before:
+        return None
+    return {"before": {k: v for k, v in before.items() if k != drop},
+            "after": {k: v for k, v in after.items() if k != drop}}
+
+
 def summary(run: Run, recipe: str, model, counts: dict, progress: Progress, log_history: list[dict],
             results: dict) -> dict:
     """The run summary: what ran (command, versions, config, model), ``results`` (the recipe's own figures), then
