@@ -58,7 +58,10 @@ def main():
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
             model, opt = ts.wrap(model, opt, vram_budget=24 * 2**30, batch_shape=(1, 2048), **opts)
             print(f"\n===== {name} {opts} =====")
-            print(ts.engine_of(model).plan)
+            pl = ts.engine_of(model).plan
+            print(pl)
+            print(f"measured block forward {pl.forward_seconds}, activation bytes "
+                  f"{pl.blocks[0].activation_bytes / 2**20:.1f} MiB, moments {pl._moments()}")
             step = _plain_step(model, opt, _batch("llama3-8b", 1, 2048, dev, 0))
             for _ in range(3):
                 step()

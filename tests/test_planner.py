@@ -328,3 +328,40 @@ def test_measure_head_is_cuda_only():
     assert planner.measure_head(model, SHAPE, CPU) is None
     analytic = _plan(model).logits_bytes
     assert _plan(model, head_bytes=12345).logits_bytes == 12345 != analytic
+
+
+def test_offloaded_blocks_are_spaced_by_their_copy_time():
+    """Kept blocks form the tail; before them every s-th block is offloaded, s = how many block forwards one
+    block's copy needs, and the rest are checkpointed. A faster copy (or slower forward) offloads more."""
+    model = _llama(layers=8)
+    a = 1 << 20
+    copy_s = a / planner.DEFAULT_PCIE_BPS
+    base = _plan(model, activation_bytes=a, input_bytes=a // 16)
+    budget = base.predicted_peak() + base.margin - 4 * a
+    layouts = {}
+    for spacing in (1, 2, 3):
+        f = copy_s / (planner.COPY_WINDOW * spacing) * 1.01  # s = spacing
+        pl = _plan(model, vram_budget=budget, activation_bytes=a, input_bytes=a // 16, forward_seconds=f)
+        acts = [b.activations for b in pl.blocks]
+        layouts[spacing] = acts
+        kept = acts.index("device")
+        assert set(acts[kept:]) == {"device"} and "device" not in acts[:kept]
+        assert acts[:kept] == ["host" if (i % spacing == 0 and i + spacing <= 8) else "recompute"
+                               for i in range(kept)], (spacing, acts)
+        assert pl.fits()
+    assert layouts[1].count("recompute") == 0 < layouts[2].count("recompute") <= layouts[3].count("recompute")
+
+
+def test_forward_backlog_counts_a_copy_still_running():
+    """An offloaded block with too little forward after it to finish its copy is still on the device when the
+    logits arrive: the peak counts it."""
+    model = _llama(layers=4)
+    a = 1 << 20
+    pl = _plan(model, activation_bytes=a, input_bytes=a // 16, forward_seconds=1.0)
+    pl.blocks[0].activations = "host"
+    assert pl.forward_backlog() == 0        # three slow blocks follow: the copy is long done
+    pl.forward_seconds = 1e-9
+    assert pl.forward_backlog() == a
+    before = pl.predicted_peak()
+    pl.forward_seconds = None               # unknown: no backlog (as on the CPU, where copies are synchronous)
+    assert pl.forward_backlog() == 0 and pl.predicted_peak() <= before

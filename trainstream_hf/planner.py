@@ -8,14 +8,16 @@ margin fits the budget:
 1. optimizer state (fp32 master, exp_avg, exp_avg_sq) of large trainable parameters: no extra PCIe bytes
    beyond the gradient and the refreshed weight, but CPU AdamW time;
 2. their gradients (device -> host as soon as each is accumulated);
-3. saved activations: first the blocks whose copies hide under compute (measured block forward time x
-   PCIe bandwidth), then checkpointing (one extra block forward each), then offloading the rest;
+3. saved activations: the last blocks keep theirs; before them every s-th block is offloaded, s chosen so
+   one block's copy hides under the forward of s blocks (measured block forward time x PCIe bandwidth),
+   and the others are checkpointed (one extra block forward each); as few as possible leave the device;
 4. weights, block by block (up in forward and again in backward, less the blocks still resident).
 
 ``print(plan)`` shows the table and the predicted peak; the engine reports the measured peak beside it.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from trainstream_hf.config import parse_bytes
+from trainstream_hf.engine.activations import Prefetch
 
 __all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
            "measure_activation_bytes", "activation_bytes_per_token", "measure_head"]
@@ -96,30 +99,65 @@ class Plan:
     def offloaded_activation_blocks(self) -> list[int]:
         return [b.index for b in self.blocks if b.activations == "host"]
 
+    def _activation_rows(self) -> tuple[list[int], list[int]]:
+        """Per block: the saved bytes that stay on the device from its forward until its backward (kept
+        activations; a checkpointed block's input; nothing for an offloaded block), and the extra bytes while
+        its backward runs (the recomputed or fetched activations)."""
+        resident = [b.activation_bytes if b.activations == "device" else
+                    b.input_bytes if b.activations == "recompute" else 0 for b in self.blocks]
+        current = [0 if b.activations == "device" else b.activation_bytes for b in self.blocks]
+        return resident, current
+
+    def forward_backlog(self) -> int:
+        """Bytes of offloaded activations still on the device at the end of the forward pass: the last
+        offloaded block's, when the blocks after it run for less than its copy takes (unknown forward time:
+        none)."""
+        host = [b for b in self.blocks if b.activations == "host"]
+        if not host or self.forward_seconds is None:
+            return 0
+        last = host[-1]
+        after = (len(self.blocks) - 1 - last.index) * self.forward_seconds * COPY_WINDOW
+        return last.activation_bytes if after < last.activation_bytes / self.pcie_bps else 0
+
+    def _moments(self) -> tuple[int, int, int]:
+        """Activation-and-gradient bytes at the three moments that can be the peak: the end of the forward
+        pass (beside the logits), the worst block of the backward pass, and the end of backward."""
+        kept = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
+        one_host = max((b.activation_bytes for b in self.blocks if b.activations == "host"), default=0)
+        rc_inputs = sum(b.input_bytes for b in self.blocks if b.activations == "recompute")
+        # Forward: kept blocks come last; an offloaded block's activations are on the device while it computes
+        # and while its copy runs (the plan spaces offloaded blocks so one copy is in flight at a time).
+        forward = max(kept + rc_inputs + self.forward_backlog(), rc_inputs + 2 * one_host) + self.logits_bytes
+        # Backward, block i: what lower blocks still hold, block i's own activations (recomputed or fetched),
+        # block i-1's when offloaded (always fetched one block ahead; deeper prefetch stays within this bound),
+        # and the gradients so far (bounded by all of them). The logits are gone by then.
+        resident, current = self._activation_rows()
+        backward, run = 0, 0
+        if any(current):
+            for i, (r, c) in enumerate(zip(resident, current)):
+                run += r
+                below = self.blocks[i - 1] if i else None
+                nxt = below.activation_bytes if below is not None and below.activations == "host" else 0
+                backward = max(backward, run + c + nxt)
+            backward += self.grad_bytes
+        one_block = max((b.activation_bytes for b in self.blocks), default=0)
+        return forward, backward, self.grad_bytes + one_block
+
     def predicted_peak(self) -> int:
         """Predicted peak device bytes allocated during one training step (``max_memory_allocated``).
 
-        Weights, slots and device optimizer state are held throughout. Activations peak at the end of the
-        forward pass, beside the logits; gradients peak at the end of backward, when activations are gone
-        but for the last block's. The peak is the larger of the two moments.
+        Weights, slots and device optimizer state are held throughout; on top, the largest of the moments of
+        :meth:`_moments`.
         """
         resident_w = sum(b.weight_bytes for b in self.blocks if b.weights == "device")
         paged = [b.weight_bytes for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
-        kept = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
-        host_acts = [b.activation_bytes for b in self.blocks if b.activations == "host"]
-        rc = [b for b in self.blocks if b.activations == "recompute"]
-        rc_inputs = sum(b.input_bytes for b in rc)
-        # Offloaded blocks come first, checkpointed ones next, kept ones last. An offloaded block's
-        # activations are on the device while it computes and while its copy runs, and in backward one block
-        # ahead is prefetched: two blocks at a time, but only before the kept blocks' activations exist
-        # (forward) or after they are freed (backward). A checkpointed block keeps its input, and its
-        # activations exist again, one block at a time, when backward reaches it (kept ones are gone then).
-        acts = max(kept + rc_inputs, 2 * max(host_acts, default=0),
-                   rc_inputs + max((b.activation_bytes for b in rc), default=0))
-        one_block = max((b.activation_bytes for b in self.blocks), default=0)
-        moment = max(acts + self.logits_bytes, self.grad_bytes + one_block)
-        return self.fixed_bytes + resident_w + slot_bytes + moment
+        return self.fixed_bytes + resident_w + slot_bytes + max(self._moments())
+
+    def activation_prefetch(self) -> Prefetch:
+        """How far ahead backward may fetch offloaded activations without passing the predicted peak."""
+        resident, current = self._activation_rows()
+        return Prefetch(resident=resident, current=current, limit=max(self._moments()), grads=self.grad_bytes)
 
     def fits(self) -> bool:
         return self.predicted_peak() + self.margin <= self.budget
@@ -231,15 +269,16 @@ class BlockMeasure:
 
 
 def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int], device: torch.device,
-                  *, repeats: int = 2) -> BlockMeasure | None:
+                  *, repeats: int = 2, casts=None) -> BlockMeasure | None:
     """Measures ``block`` on a random batch of ``batch_shape``, the way the model will run it.
 
     Runs the model's forward pass on random token ids only as far as the end of ``block`` (a forward hook
     stops it there), counting every saved tensor that is not a parameter once per storage, the bytes of the
     block's first tensor input, and the block's forward time (CUDA events on CUDA; the last of ``repeats``
     passes, so one-time initialisation is not counted). Costs the embedding and one block's activations of
-    device memory, for a moment. Returns None when the model takes no ``input_ids`` (no
-    ``config.vocab_size``).
+    device memory, for a moment. With ``casts`` (a :class:`~trainstream_hf.engine.casts.CastSources`
+    installed on the model), a saved widened copy counts as its source, as the engine will save it. Returns
+    None when the model takes no ``input_ids`` (no ``config.vocab_size``).
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not vocab:
@@ -251,9 +290,11 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
 
     def pack(t: torch.Tensor):
         if t.device.type != "meta":
-            ptr = t.untyped_storage().data_ptr()
+            found = casts.source(t) if casts is not None else None
+            kept = found[0] if found is not None else t
+            ptr = kept.untyped_storage().data_ptr()
             if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
+                seen[ptr] = kept.untyped_storage().nbytes()
         return t
 
     ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -304,7 +345,12 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
     return BlockMeasure(sum(seen.values()), found["input"], found["t"])
 
 
-HIDE_FRACTION = 0.5  # of the forward pass's PCIe capacity that offloaded activations may use (see plan())
+# Fraction of the measured forward time counted as room for activation copies: offloaded blocks are spaced
+# so that one block's copy fits under the forward of the blocks up to the next offloaded one. The one-off
+# measured forward can run slow, which would space them too tightly and leave copies (and their device memory)
+# queued. History: spacing nothing and offloading the first 13 of an 8B LoRA's 32 blocks exposed their copies
+# on the H200 (0.464 s/step against 0.373 s for checkpointing every block, benchmarks/NOTES.md).
+COPY_WINDOW = 0.8
 
 
 def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.device) -> int | None:
@@ -463,34 +509,24 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         for b in block_plans:
             b.activations = "host"
     elif offload_activations == "auto" and not pl.fits():
-        # Offload first as many blocks as the copy engines can move while the GPU computes (forward:
-        # down while N forwards run; backward: up while N backwards, ~2x, run); then checkpoint, which costs
-        # one block forward each; offload the rest only when checkpointing cannot reach the budget.
+        # Keep the last blocks' activations (they are used first in backward and never move); of the blocks
+        # before them offload every s-th, where s blocks' forward covers one block's copy, and checkpoint the
+        # others (one block forward each); a block with fewer than s blocks after it is not offloaded (its copy
+        # would outlast the forward pass). Keep as many as fit. Unknown forward time: offload them all (s = 1).
         n, a = len(block_plans), max(per_block_act, 1)
-        if forward_seconds is not None and recompute is not False:
-            # Half the naive count: the whole-forward window overstates it (a block's copy overlaps only the
-            # blocks after it, and the one-off measured forward runs slow). On the H200 the naive count offloaded
-            # 13 of an 8B LoRA's 32 blocks where ~7 hide: 0.464 s/step against 0.373 s for checkpointing every
-            # block (benchmarks/NOTES.md, 2026-12-03).
-            hide = int(HIDE_FRACTION * n * forward_seconds * pl.pcie_bps // a)
-        else:
-            hide = n
-        order = list(block_plans)
-        for b in order[:hide]:
-            if pl.fits():
-                break
-            b.activations = "host"
-        if recompute is not False:
-            for b in order[hide:]:
-                if pl.fits():
-                    break
-                if b.can_recompute:
+        s = 1
+        if forward_seconds and recompute is not False:
+            s = max(1, math.ceil(a / pl.pcie_bps / (COPY_WINDOW * forward_seconds)))
+        for keep in range(n - 1, -1, -1):
+            for b in block_plans:
+                if b.index >= n - keep:
+                    b.activations = "device"
+                elif (b.index % s == 0 and b.index + s <= n) or not b.can_recompute or recompute is False:
+                    b.activations = "host"
+                else:
                     b.activations = "recompute"
-        for b in order:
             if pl.fits():
                 break
-            if b.activations == "device":
-                b.activations = "host"
     if page_weights is True or (page_weights == "auto" and not pl.fits()):
         if prefetch >= slots:
             raise ValueError(f"prefetch ({prefetch}) must be below slots ({slots}): a slot is refilled only "

@@ -18,6 +18,7 @@ from trainstream_hf import planner
 from trainstream_hf.config import TrainStreamConfig, parse_bytes
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.casts import CastSources
 from trainstream_hf.engine.blocks import find_blocks
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
 from trainstream_hf.engine.optimizer import OffloadedAdamW
@@ -176,6 +177,8 @@ class Engine:
             self.pager.unwrap()  # host copies (updated by the optimizer through the sinks) -> device
         if self.offloader is not None:
             self.offloader.close()
+        if getattr(self, "casts", None) is not None:
+            self.casts.uninstall()
         for h in getattr(self, "_overlap_handles", []):
             h.remove()
         self._restore_recompute()
@@ -267,35 +270,45 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         blocks[0].to(device)  # for the measurement only; the plan decides where it lives
     # Measured, not estimated: the analytic formula missed LoRA's and the norms' saved tensors by ~40% on
     # the H200 (benchmarks/NOTES.md, 2026-12-03).
-    m = planner.measure_block(model, blocks[0], batch_shape, device)
-    head = planner.measure_head(model, batch_shape, device)
-    if first_home != {device}:
-        blocks[0].to(next(iter(first_home)) if len(first_home) == 1 else "cpu")
-    pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
-                      offload_optimizer=config.offload_optimizer if optimizer is not None else False,
-                      grads=config.grads, offload_activations=config.offload_activations,
-                      page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
-                      min_offload_numel=config.min_offload_numel, recompute=config.recompute,
-                      activation_bytes=None if m is None else m.activation_bytes,
-                      input_bytes=None if m is None else m.input_bytes,
-                      forward_seconds=None if m is None else m.forward_seconds, head_bytes=head)
-    streams = TransferStreams(device)
-    arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
-                      pinned=None if config.host_arena not in (None, 0) else False,
-                      slab_bytes=config.host_arena_slab, pageable_fallback=config.pageable_fallback)
-    # Pin what the plan needs now, in one go: pinning is slow (~0.4 s/GiB on the H200 host) and a host too
-    # small must be refused here, with needed vs available, not in the middle of a step.
-    if arena.growable:
-        # Paged weights that already sit in host RAM are moved block by block (each original freed once
-        # copied), so their slabs are pinned as the pager goes, while the memory they replace is released.
-        in_host = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
-                      if p.device.type == "cpu")
-        arena.reserve(max(0, pl.host_bytes() - in_host))
-    elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
-        arena.close()
-        raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the plan "
-                         f"puts {pl.host_bytes()} bytes in host RAM; raise host_arena, use 'auto', or set "
-                         "pageable_fallback=True")
+    casts = None
+    if config.elide_casts:
+        casts = CastSources()
+        if not casts.install(m for b in blocks for m in b.modules()):
+            casts = None
+    try:
+        m = planner.measure_block(model, blocks[0], batch_shape, device, casts=casts)
+        head = planner.measure_head(model, batch_shape, device)
+        if first_home != {device}:
+            blocks[0].to(next(iter(first_home)) if len(first_home) == 1 else "cpu")
+        pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
+                          offload_optimizer=config.offload_optimizer if optimizer is not None else False,
+                          grads=config.grads, offload_activations=config.offload_activations,
+                          page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
+                          min_offload_numel=config.min_offload_numel, recompute=config.recompute,
+                          activation_bytes=None if m is None else m.activation_bytes,
+                          input_bytes=None if m is None else m.input_bytes,
+                          forward_seconds=None if m is None else m.forward_seconds, head_bytes=head)
+        streams = TransferStreams(device)
+        arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
+                          pinned=None if config.host_arena not in (None, 0) else False,
+                          slab_bytes=config.host_arena_slab, pageable_fallback=config.pageable_fallback)
+        # Pin what the plan needs now, in one go: pinning is slow (~0.4 s/GiB on the H200 host) and a host too
+        # small must be refused here, with needed vs available, not in the middle of a step.
+        if arena.growable:
+            # Paged weights that already sit in host RAM are moved block by block (each original freed once
+            # copied), so their slabs are pinned as the pager goes, while the memory they replace is released.
+            in_host = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
+                          if p.device.type == "cpu")
+            arena.reserve(max(0, pl.host_bytes() - in_host))
+        elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
+            arena.close()
+            raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the plan "
+                             f"puts {pl.host_bytes()} bytes in host RAM; raise host_arena, use 'auto', or set "
+                             "pageable_fallback=True")
+    except BaseException:
+        if casts is not None:
+            casts.uninstall()
+        raise
     hooks = BlockHooks(blocks)
     pager = offloader = None
     new_opt = optimizer
@@ -309,9 +322,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         # compute device; paged parameters are device placeholders already, so .to() leaves them alone.
         for b in blocks:
             b.to(device)
-        if pl.offloaded_activation_blocks:
+        if pl.offloaded_activation_blocks or casts is not None:
             offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
-                                            min_bytes=parse_bytes(config.min_activation_bytes))
+                                            min_bytes=parse_bytes(config.min_activation_bytes), casts=casts,
+                                            prefetch=pl.activation_prefetch())
         if optimizer is not None:
             names = dict((id(p), n) for n, p in model.named_parameters())
             wanted = set(pl.offload_optimizer)
@@ -333,11 +347,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             pager.unwrap()
         if offloader is not None:
             offloader.close()
+        if casts is not None:
+            casts.uninstall()
         hooks.remove()
         arena.close()
         raise
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
+    engine.casts = casts
     engine.install_recompute(blocks, pl.recomputed_blocks)
     if isinstance(new_opt, OffloadedAdamW) and new_opt.overlap_step:
         engine.install_step_overlap(blocks)

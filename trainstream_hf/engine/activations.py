@@ -6,9 +6,16 @@ device->host into an arena tensor on the D2H stream. The stream records the sour
 its device memory goes back to the caching allocator once autograd drops it and the copy's event has
 passed. Everything else stays on the device untouched.
 
-In the backward pass the copies come back one block ahead: when block ``i``'s backward begins, block
-``i``'s tensors (if not already on their way) and block ``i-1``'s are copied host->device on the H2D stream;
-unpack makes the compute stream wait for the copy's event (no host sync).
+Exact widening casts (:mod:`trainstream_hf.engine.casts`, e.g. PEFT's fp32 copy of a bf16 LoRA input) are
+saved as their narrow source in every block, offloaded or not, and converted again in backward.
+
+In the backward pass the copies come back ahead of use, on the H2D stream into buffers allocated on the
+compute stream (one memory pool: buffers on a stream of their own could not reuse what backward frees, and
+the capped allocator would release and re-map segments, synchronising, every step). When block ``i``'s
+backward begins, every chosen block ``>= i - 1`` is fetched, and chosen blocks further below in order while
+the bytes fetched ahead stay within the allowance of :class:`Prefetch`: what the plan's predicted peak
+leaves beside the lower blocks' saved tensors, the current block's and the gradients (the logits and every
+block above ``i`` are gone by then). unpack makes the compute stream wait for the copy's event (no host sync).
 
 Bit-exact: dtype, shape and strides are kept exactly (the device buffer is made with the original strides),
 and so is the address's alignment modulo 64 bytes (kernels may choose code paths by alignment). A tensor
@@ -17,16 +24,18 @@ saved several times (the normed hidden state feeds q, k and v) is copied once.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.casts import CastOf, CastSources
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener, is_dense
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
-__all__ = ["ActivationOffloader"]
+__all__ = ["ActivationOffloader", "Prefetch"]
 
 # Alignment (bytes) of the original address that the host and device copies reproduce. 64 is the CPU
 # allocator's alignment; device allocations are 512-aligned, the arena 256-aligned.
@@ -47,6 +56,33 @@ class _Offloaded:
         self.h2d: Transfer | None = None
 
 
+@dataclass
+class Prefetch:
+    """How far ahead backward may fetch offloaded activations (see the module docstring).
+
+    Args:
+        resident: per block, saved bytes on the device from its forward until its backward (kept activations,
+            a checkpointed block's input; 0 for an offloaded block). Empty: only one block ahead.
+        current: per block, extra bytes while its backward runs (recomputed or fetched activations).
+        limit: the plan's bound on activation and gradient bytes (its predicted peak's moving part).
+        grads: gradient bytes backward accumulates on the device, counted whole from the start.
+    """
+
+    resident: Sequence[int] = field(default_factory=tuple)
+    current: Sequence[int] = field(default_factory=tuple)
+    limit: int = 0
+    grads: int = 0
+
+    def allowance(self, i: int) -> int:
+        """Bytes that may be on their way for blocks below ``i`` when block ``i``'s backward starts: what the
+        bound leaves beside the lower blocks' resident bytes, block ``i``'s own and the gradients. (Block
+        ``i-1`` is fetched then whatever this says: it is needed next.)"""
+        if not self.resident:
+            return 0
+        used = sum(self.resident[:i + 1]) + self.current[i] + self.grads
+        return self.limit - used
+
+
 class ActivationOffloader(BlockListener):
     """Moves large saved activations of the chosen blocks to host memory between forward and backward.
 
@@ -54,14 +90,18 @@ class ActivationOffloader(BlockListener):
         hooks: the model's :class:`BlockHooks` (shared with the weight pager).
         streams: transfer streams of the compute device (``cpu`` copies synchronously).
         arena: host arena that receives the copies.
-        blocks: indices of the blocks whose activations are offloaded (default: all).
+        blocks: indices of the blocks whose activations are offloaded (default: all; may be empty when only
+            ``casts`` is wanted).
         min_bytes: smaller saved tensors stay on the device (copy overhead beats the memory saved).
+        casts: exact widening casts to save as their source, in every block (None: off).
+        prefetch: the backward fetch allowance (default: one block ahead).
     """
 
     pack_priority = 50
 
     def __init__(self, hooks: BlockHooks, streams: TransferStreams, arena: HostArena, *,
-                 blocks: Iterable[int] | None = None, min_bytes: int = 1 << 20):
+                 blocks: Iterable[int] | None = None, min_bytes: int = 1 << 20, casts: CastSources | None = None,
+                 prefetch: Prefetch | None = None):
         if min_bytes < 0:
             raise ValueError(f"ActivationOffloader: min_bytes must be >= 0, got {min_bytes}")
         self.hooks = hooks
@@ -69,25 +109,32 @@ class ActivationOffloader(BlockListener):
         self.arena = arena
         self.device = streams.device
         self.min_bytes = int(min_bytes)
+        self.casts = casts
+        self.prefetch = prefetch if prefetch is not None else Prefetch()
         self._order = sorted(set(range(len(hooks)) if blocks is None else blocks))
         if any(not 0 <= i < len(hooks) for i in self._order):
             raise ValueError(f"ActivationOffloader: block indices must be in [0, {len(hooks)}), got {self._order}")
+        if self.prefetch.resident and not len(self.prefetch.resident) == len(self.prefetch.current) == len(hooks):
+            raise ValueError(f"ActivationOffloader: prefetch has {len(self.prefetch.resident)} / "
+                             f"{len(self.prefetch.current)} entries for {len(hooks)} blocks")
         self._chosen = set(self._order)
-        self._prev = {j: (self._order[k - 1] if k else None) for k, j in enumerate(self._order)}
+        self._desc = self._order[::-1]  # backward order
+        self._next = 0                  # index into _desc of the next block to fetch
+        self._block_bytes: dict[int, int] = {}
         self._records: dict[int, list[weakref.ref]] = {}
         # id(tensor) -> (tensor, its version, its record), all weak: a record lives exactly as long as autograd
         # holds it, so its host block and device copy are released as soon as the backward has used it.
         self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._param_ptrs: tuple[int, set[int]] = (-1, set())
         self._stats = {"offloaded": 0, "d2h_bytes": 0, "h2d_bytes": 0, "deduplicated": 0, "kept_small": 0,
-                       "kept_layout": 0}
+                       "kept_layout": 0, "casts_elided": 0, "cast_bytes_elided": 0}
         self.closed = False
         hooks.add(self)
 
     def stats(self) -> dict:
-        """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, and
-        tensors kept on the device for being small or not dense; ``live``: offloaded tensors of this step
-        that autograd still holds."""
+        """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, tensors
+        kept on the device for being small or not dense, and widened copies saved as their source (count and
+        bytes not held); ``live``: offloaded tensors of this step that autograd still holds."""
         live = {id(r) for refs in self._records.values() for ref in refs if (r := ref()) is not None}
         return dict(self._stats, live=len(live))
 
@@ -100,6 +147,8 @@ class ActivationOffloader(BlockListener):
     def step_start(self) -> None:
         self._records = {}
         self._seen = {}
+        self._block_bytes = {}
+        self._next = 0
 
     def forward_start(self, i: int) -> None:
         if i in self._chosen:
@@ -109,19 +158,34 @@ class ActivationOffloader(BlockListener):
             self._param_ptrs = (i, ptrs)
 
     def backward_start(self, i: int) -> None:
-        if i not in self._chosen:
-            return
-        # Block i's tensors are needed now (normally already on their way); block i-1's are needed next.
-        for j in (i, self._prev[i]):
-            if j is not None:
-                for ref in self._records.get(j, ()):
-                    rec = ref()
-                    if rec is not None and rec.h2d is None:
-                        self._fetch(rec)
+        # Every chosen block from i up is needed now (normally already on its way), block i-1 next; further
+        # below, fetch ahead in backward order while the bytes fetched for blocks not yet reached fit the
+        # allowance.
+        while self._next < len(self._desc):
+            j = self._desc[self._next]
+            if j < i - 1:
+                ahead = sum(self._block_bytes.get(k, 0) for k in self._desc[:self._next] if k < i)
+                if ahead + self._block_bytes.get(j, 0) > self.prefetch.allowance(i):
+                    break
+            self._fetch_block(j)
+            self._next += 1
 
     def pack(self, i: int, t: torch.Tensor):
-        if i not in self._chosen or t.device != self.device or t.layout != torch.strided:
+        if t.device != self.device or t.layout != torch.strided:
             return None
+        if self.casts is not None:
+            found = self.casts.source(t)
+            if found is not None:
+                src, _ = found
+                inner = self._offload(i, src) if i in self._chosen else None
+                self._stats["casts_elided"] += 1
+                self._stats["cast_bytes_elided"] += t.numel() * t.element_size()
+                return CastOf(src if inner is None else inner, src, t.dtype, t)
+        if i not in self._chosen:
+            return None
+        return self._offload(i, t)
+
+    def _offload(self, i: int, t: torch.Tensor) -> _Offloaded | None:
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or nbytes == 0:
             self._stats["kept_small"] += 1
@@ -147,26 +211,34 @@ class ActivationOffloader(BlockListener):
             self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(rec))
             self._stats["offloaded"] += 1
             self._stats["d2h_bytes"] += nbytes
+            self._block_bytes[i] = self._block_bytes.get(i, 0) + nbytes
         records = self._records.setdefault(i, [])
         if not any(r() is rec for r in records[-8:]):
             records.append(weakref.ref(rec))
         return rec
 
-    def unpack(self, rec: _Offloaded) -> torch.Tensor:
+    def unpack(self, payload) -> torch.Tensor:
+        if isinstance(payload, CastOf):
+            inner = payload.inner
+            return payload.rebuild(self._unpack_record(inner) if isinstance(inner, _Offloaded) else inner)
+        return self._unpack_record(payload)
+
+    def _unpack_record(self, rec: _Offloaded) -> torch.Tensor:
         if rec.h2d is None:
             self._fetch(rec)
         return rec.h2d.wait()
 
+    def _fetch_block(self, j: int) -> None:
+        for ref in self._records.get(j, ()):
+            rec = ref()
+            if rec is not None and rec.h2d is None:
+                self._fetch(rec)
+
     def _fetch(self, rec: _Offloaded) -> None:
         numel = rec.host.numel() + rec.pad
-        if self.streams.is_cuda:
-            # Allocated on the H2D stream, which writes it; Transfer.wait() records it on the compute stream
-            # that reads (and frees) it.
-            with torch.cuda.stream(self.streams.h2d):
-                flat = torch.empty(numel, dtype=rec.host.dtype, device=self.device)
-        else:
-            flat = torch.empty(numel, dtype=rec.host.dtype, device=self.device)
+        # On the compute stream, so the buffer comes from (and returns to) the pool backward frees into; the copy
+        # waits for the compute stream's queued work (the memory's previous users) and for the D2H copy.
+        flat = torch.empty(numel, dtype=rec.host.dtype, device=self.device)
         dev = flat.as_strided(rec.size, rec.stride, rec.pad)
-        # after=<D2H event>: the host copy must be complete before it is read back.
-        rec.h2d = self.streams.to_device(rec.host, out=dev, after=rec.d2h.event)
+        rec.h2d = self.streams.to_device(rec.host, out=dev, after=rec.d2h.event, wait_current=True)
         self._stats["h2d_bytes"] += rec.host.numel() * rec.host.element_size()

@@ -78,7 +78,7 @@ class TransferStreams:
         return event
 
     def to_device(self, src: torch.Tensor, out: torch.Tensor | None = None, *,
-                  after: "torch.cuda.Event | None" = None) -> Transfer:
+                  after: "torch.cuda.Event | None" = None, wait_current: bool = False) -> Transfer:
         """Copies host tensor ``src`` to the device on the H2D stream.
 
         Args:
@@ -87,7 +87,9 @@ class TransferStreams:
             out: a device buffer to copy into (e.g. a reused slot). The copy first waits for ``after``, or,
                 when ``after`` is None, for all work queued so far on the current stream, so that a slot is
                 never overwritten while something still reads it.
-            after: the event after which ``out`` may be overwritten.
+            after: the event after which ``out`` may be overwritten (or ``src`` is complete).
+            wait_current: with ``after``, wait for the current stream's queued work as well (``out`` was just
+                allocated on the current stream, whose earlier kernels may still use that memory).
 
         Returns:
             A :class:`Transfer`; call ``wait()`` on the consumer stream before using ``tensor``.
@@ -110,8 +112,11 @@ class TransferStreams:
         if out is not None:
             if after is not None:
                 self.h2d.wait_event(after)
-            else:
+            if after is None or wait_current:
                 self.h2d.wait_stream(producer)
+            # Written here, read (and freed) on the consumer's stream: its memory must not be handed out again
+            # before this copy is done, even if it is dropped unread.
+            out.record_stream(self.h2d)
         with torch.cuda.stream(self.h2d):
             if out is None:
                 out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
