@@ -105,6 +105,10 @@ class TrainStreamConfig:
                 "TRAINSTREAM_TRACE=file.json turns it on and writes a Chrome trace."})
     min_activation_bytes: int | str = field(default="1MiB", metadata={
         "help": "Saved tensors smaller than this stay on the device."})
+    chunked_loss: bool = field(default=True, metadata={
+        "help": "Compute a causal LM's loss (transformers' ForCausalLMLoss) in row chunks: the same bits, without "
+                "the fp32 log-probabilities of every token over the vocabulary (3 GiB for an 8B Llama at 2048 "
+                "tokens). Models with another loss function are left alone."})
     elide_casts: bool = field(default=True, metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "

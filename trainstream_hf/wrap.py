@@ -19,6 +19,7 @@ from trainstream_hf.config import TrainStreamConfig, parse_bytes
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.casts import CastSources
+from trainstream_hf.engine.head import chunked_causal_lm_loss
 from trainstream_hf.engine.blocks import find_blocks
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
 from trainstream_hf.engine.optimizer import OffloadedAdamW
@@ -179,6 +180,7 @@ class Engine:
             self.offloader.close()
         if getattr(self, "casts", None) is not None:
             self.casts.uninstall()
+        _remove_chunked_loss(getattr(self, "loss_owner", None))
         for h in getattr(self, "_overlap_handles", []):
             h.remove()
         self._restore_recompute()
@@ -189,6 +191,27 @@ class Engine:
         for name in (_ATTR, "trainstream_stats", "trainstream_plan"):
             self.model.__dict__.pop(name, None)
         return self.model
+
+
+def _install_chunked_loss(model: nn.Module) -> nn.Module | None:
+    """Sets the chunked loss on the transformers model inside ``model`` when it uses transformers' own
+    ``ForCausalLMLoss`` (and no loss of the user's); returns that model, or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "_loss_function" in base.__dict__ or not hasattr(type(base), "loss_function"):
+        return None
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if base.loss_function is not ForCausalLMLoss:
+        return None
+    base.__dict__["_loss_function"] = chunked_causal_lm_loss
+    return base
+
+
+def _remove_chunked_loss(base: nn.Module | None) -> None:
+    if base is not None and base.__dict__.get("_loss_function") is chunked_causal_lm_loss:
+        del base.__dict__["_loss_function"]
 
 
 def engine_of(model: nn.Module) -> Engine | None:
@@ -270,6 +293,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         blocks[0].to(device)  # for the measurement only; the plan decides where it lives
     # Measured, not estimated: the analytic formula missed LoRA's and the norms' saved tensors by ~40% on
     # the H200 (benchmarks/NOTES.md, 2026-12-03).
+    loss_owner = _install_chunked_loss(model) if config.chunked_loss else None
     casts = None
     if config.elide_casts:
         casts = CastSources()
@@ -308,6 +332,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     except BaseException:
         if casts is not None:
             casts.uninstall()
+        _remove_chunked_loss(loss_owner)
         raise
     hooks = BlockHooks(blocks)
     pager = offloader = None
@@ -349,12 +374,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             offloader.close()
         if casts is not None:
             casts.uninstall()
+        _remove_chunked_loss(loss_owner)
         hooks.remove()
         arena.close()
         raise
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
     engine.casts = casts
+    engine.loss_owner = loss_owner
     engine.install_recompute(blocks, pl.recomputed_blocks)
     if isinstance(new_opt, OffloadedAdamW) and new_opt.overlap_step:
         engine.install_step_overlap(blocks)

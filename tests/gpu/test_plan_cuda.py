@@ -46,14 +46,24 @@ def _ids(step):
 
 
 def _base_plan(model, **plan_kw):
-    """The plan wrap() would make with nothing forced to the host and room to spare (same measurement)."""
+    """The plan wrap() would make with nothing forced to the host and room to spare, measured the way wrap()
+    measures (widened casts saved as their source, the chunked loss)."""
+    from trainstream_hf.engine.casts import CastSources
+    from trainstream_hf.wrap import _install_chunked_loss, _remove_chunked_loss
+
     device = torch.device("cuda")
     blocks = list(find_blocks(model))
-    act = planner.measure_activation_bytes(model, blocks[0], SHAPE, device)
-    head = planner.measure_head(model, SHAPE, device)  # as wrap() does
+    owner, casts = _install_chunked_loss(model), CastSources()
+    casts.install(m for b in blocks for m in b.modules())
+    try:
+        m = planner.measure_block(model, blocks[0], SHAPE, device, casts=casts)
+        head = planner.measure_head(model, SHAPE, device)
+    finally:
+        casts.uninstall()
+        _remove_chunked_loss(owner)
     return planner.plan(model, blocks, batch_shape=SHAPE, vram_budget=1 << 50, device=device,
-                        offload_activations=False, page_weights=False, activation_bytes=act, head_bytes=head,
-                        **plan_kw)
+                        offload_activations=False, page_weights=False, activation_bytes=m.activation_bytes,
+                        input_bytes=m.input_bytes, forward_seconds=m.forward_seconds, head_bytes=head, **plan_kw)
 
 
 def _budget_offloading_some_activations(model, **plan_kw) -> int:
