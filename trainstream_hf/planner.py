@@ -272,6 +272,11 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
                   *, repeats: int = 2, casts=None) -> BlockMeasure | None:
     """Measures ``block`` on a random batch of ``batch_shape``, the way the model will run it.
 
+    Measure a block that is not the first when the model has several (``wrap`` measures the second): the first
+    block of a model with a frozen embedding (LoRA) gets an input that needs no gradient and saves less than
+    every later block (its first norm's input, ~6-12% of a LoRA block; block 0 measured put the 8B plan 0.8 GiB
+    low, an out-of-memory on the H200).
+
     Runs the model's forward pass on random token ids only as far as the end of ``block`` (a forward hook
     stops it there), counting every saved tensor that is not a parameter once per storage, the bytes of the
     block's first tensor input, and the block's forward time (CUDA events on CUDA; the last of ``repeats``

@@ -288,11 +288,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     batch_shape = config.batch_shape or _default_batch_shape(model)
     block_set = {id(m) for b in blocks for m in b.modules()}
     _move_outside_blocks(model, block_set, device)
-    first_home = {p.device for p in blocks[0].parameters()}
-    if first_home != {device}:
-        blocks[0].to(device)  # for the measurement only; the plan decides where it lives
-    # Measured, not estimated: the analytic formula missed LoRA's and the norms' saved tensors by ~40% on
-    # the H200 (benchmarks/NOTES.md, 2026-12-03).
+    # The second block is measured (the forward runs up to its end): the first one's input needs no gradient
+    # when the embedding is frozen, so it saves less than every later block. Measured, not estimated: the
+    # analytic formula missed LoRA's and the norms' saved tensors by ~40% on the H200 (benchmarks/NOTES.md).
+    probe = min(1, len(blocks) - 1)
+    homes = [{p.device for p in b.parameters()} for b in blocks[:probe + 1]]
+    for b, home in zip(blocks, homes):
+        if home != {device}:
+            b.to(device)  # for the measurement only; the plan decides where it lives
     loss_owner = _install_chunked_loss(model) if config.chunked_loss else None
     casts = None
     if config.elide_casts:
@@ -300,10 +303,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         if not casts.install(m for b in blocks for m in b.modules()):
             casts = None
     try:
-        m = planner.measure_block(model, blocks[0], batch_shape, device, casts=casts)
+        m = planner.measure_block(model, blocks[probe], batch_shape, device, casts=casts)
         head = planner.measure_head(model, batch_shape, device)
-        if first_home != {device}:
-            blocks[0].to(next(iter(first_home)) if len(first_home) == 1 else "cpu")
+        for b, home in zip(blocks, homes):
+            if home != {device}:
+                b.to(next(iter(home)) if len(home) == 1 else "cpu")
         pl = planner.plan(model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
                           offload_optimizer=config.offload_optimizer if optimizer is not None else False,
                           grads=config.grads, offload_activations=config.offload_activations,

@@ -219,3 +219,19 @@ def test_backward_fetches_ahead_within_the_allowance(limit, expect):
     else:
         assert fetched_at == {k: 5 for k in range(6)}
     ts.unwrap(model)
+
+
+def test_wrap_measures_a_block_whose_input_needs_a_gradient():
+    """With a frozen embedding the first block's input needs no gradient and it saves less than the others; the
+    plan takes the second block's figure (as every later block runs)."""
+    model = _lora_llama()
+    blocks = model.base_model.model.model.layers
+    cs = CastSources()
+    cs.install(model.modules())
+    first, second = (planner.measure_block(model, b, (1, 64), torch.device("cpu"), casts=cs).activation_bytes
+                     for b in (blocks[0], blocks[1]))
+    cs.uninstall()
+    assert first < second
+    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, batch_shape=(1, 64))
+    assert {b.activation_bytes for b in model.trainstream_plan.blocks} == {second}
+    ts.unwrap(model)

@@ -29,4 +29,6 @@ def test_matches_transformers_on_cuda(vocab, dtype):
     print(f"\nvocab {vocab} {dtype}: peak {ref_peak / 2**20:.0f} MiB -> {peak / 2**20:.0f} MiB")
     assert torch.equal(loss, ref_loss)
     assert torch.equal(grad, ref_grad)
-    assert peak < 0.75 * ref_peak
+    # bf16 logits: no fp32 copy of the whole matrix at all (measured 1506 -> 440 MiB at vocab 128256); fp32
+    # logits are themselves that copy, so less is saved (1506 -> 691 MiB).
+    assert peak < (0.75 if dtype == torch.bfloat16 else 0.9) * ref_peak

@@ -56,7 +56,7 @@ def _base_plan(model, **plan_kw):
     owner, casts = _install_chunked_loss(model), CastSources()
     casts.install(m for b in blocks for m in b.modules())
     try:
-        m = planner.measure_block(model, blocks[0], SHAPE, device, casts=casts)
+        m = planner.measure_block(model, blocks[1], SHAPE, device, casts=casts)  # as wrap() measures
         head = planner.measure_head(model, SHAPE, device)
     finally:
         casts.uninstall()
