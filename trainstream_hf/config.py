@@ -100,6 +100,11 @@ class TrainStreamConfig:
         "help": "optimizer.step() returns at once and the CPU AdamW runs while the next forward starts, each "
                 "block waiting for its own new weights: 'auto' (on CUDA, unless weights are paged and "
                 "trainable), True or False."})
+    data_parallel: str | bool = field(default="auto", metadata={
+        "help": "Replicas trained with DistributedDataParallel, one per process (wrap first, then DDP): 'auto' (when "
+                "torch.distributed is initialized with more than one process), True or False. Then gradients stay on "
+                "the device for DDP to average, trainable weights are not paged, every process must plan the same, "
+                "and rank 0's values are broadcast into host-held weights and optimizer masters."})
     timeline: bool = field(default=False, metadata={
         "help": "Time every copy and block per step (overlap % in the stats; one host sync per step). "
                 "TRAINSTREAM_TRACE=file.json turns it on and writes a Chrome trace."})
@@ -134,7 +139,8 @@ class TrainStreamConfig:
             raise ValueError(f"staging_threads: an int >= 0, got {self.staging_threads!r}")
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
-        for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute"):
+        for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute",
+                     "data_parallel"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if self.grads not in ("auto", "device", "host"):

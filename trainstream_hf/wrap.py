@@ -16,6 +16,7 @@ from torch import nn
 
 from trainstream_hf import planner
 from trainstream_hf.config import TrainStreamConfig, parse_bytes
+from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.casts import CastSources
@@ -267,12 +268,19 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     Raises:
         RuntimeError: the model is already wrapped.
+        ValueError: (several processes) the model is already inside DistributedDataParallel, ``grads="host"``,
+            trainable paged weights, or the processes planned differently (``engine/distributed.py``).
         BudgetError: the model cannot be trained within ``vram_budget``.
         HostMemoryError: the host cannot hold what the plan puts there (checked before pinning).
     """
+    data_parallel.check_not_ddp(model)
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
+    # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
+    dp_group = data_parallel.process_group(config.data_parallel, config.grads)
+    if dp_group is not None and config.grads == "auto":
+        config = replace(config, grads="device")
     if config.outliers and config.quantize is None:
         raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: set quantize too")
     if config.quantize is not None:
@@ -355,12 +363,24 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
                                             min_bytes=parse_bytes(config.min_activation_bytes), casts=casts,
                                             prefetch=pl.activation_prefetch())
+        names = dict((id(p), n) for n, p in model.named_parameters())
+        paged = set(map(id, pager.paged_parameters())) if pager is not None else set()
+        offload = []
         if optimizer is not None:
-            names = dict((id(p), n) for n, p in model.named_parameters())
             wanted = set(pl.offload_optimizer)
-            paged = set(map(id, pager.paged_parameters())) if pager is not None else set()
             offload = [p for g in optimizer.param_groups for p in g["params"]
                        if names.get(id(p)) in wanted or (id(p) in paged and p.requires_grad)]
+        if dp_group is not None:
+            # Every rank checks the same plan first, so that a refusal below is raised on all of them at once; the
+            # broadcast comes before the optimizer reads its fp32 masters from the parameters.
+            paged_params = pager.paged_parameters() if pager is not None else []
+            data_parallel.check_same_plan({"paged": sorted(names.get(id(p), "?") for p in paged_params),
+                                           "offloaded": sorted(names.get(id(p), "?") for p in offload),
+                                           "grads": pl.grads}, device, dp_group)
+            data_parallel.check_no_trainable_paged(model, paged_params)
+            data_parallel.broadcast_from_rank0([pager.host_tensor(p) for p in paged_params] + [p.data for p in offload],
+                                               device, dp_group)
+        if optimizer is not None:
             if offload:
                 sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
                 grads_mode = "host" if (pl.grads == "host" or sinks) else "device"

@@ -1,5 +1,9 @@
 """TrainStreamAccelerator on the CPU: prepare() installs the engine; training matches plain Accelerate."""
 import copy
+import importlib.util
+import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,3 +66,29 @@ def test_plugin_from_env():
     with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
         TrainStreamPlugin.from_env({"TRAINSTREAM": "yes"})
     assert not TrainStreamPlugin.from_env({"TRAINSTREAM": "off"}).active()
+
+
+def test_accelerate_launch_two_processes_matches_one_process(tmp_path):
+    """``accelerate launch`` with 2 processes (torchrun underneath): the script's TrainStreamAccelerator(cpu=True)
+    trains in 2 gloo processes (Accelerate's MULTI_CPU), DDP around the wrapped model, accumulation of 2 and
+    clipping; losses and weights within 1e-5 of one process on the global batch.
+
+    ``--cpu`` itself cannot be used: with more than one process it needs MPI (Accelerate's simple launcher starts
+    one process otherwise), so the launch config asks for the multi-GPU launcher and the script for the CPU."""
+    path = Path(__file__).resolve().parents[1] / "engine" / "ddp_worker.py"
+    spec = importlib.util.spec_from_file_location("ddp_worker", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "two.yaml"  # a config file of its own: a user's default accelerate config must not leak in
+    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n"
+                   f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {port}\n"
+                   "use_cpu: false\ndynamo_config: {}\n")
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    ranks = [r["accelerate"] for r in worker.launch([accelerate, "launch", "--config_file", str(cfg), str(path),
+                                                     str(tmp_path), "accelerate"], tmp_path)]
+    worker.check_matches_one_process(ranks, "full", worker.reference("accelerate"))
+    info = ranks[0]["info"]
+    assert info == {"ddp": True, "optimizer": "OffloadedAdamW", "grads": "device", "backend": "gloo"}

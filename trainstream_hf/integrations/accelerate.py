@@ -1,16 +1,18 @@
 """Accelerate: a plugin dataclass and an Accelerator that installs the engine in ``prepare()``.
 
 Accelerate has no registry for third-party plugins, so ``TrainStreamAccelerator`` subclasses
-``Accelerator``: ``prepare(model, optimizer, ...)`` does what Accelerate does, then wraps the prepared
-model and swaps the prepared optimizer's inner torch optimizer for the engine's (the LR scheduler keeps
-working: both share their param-group dicts). ``TrainStreamPlugin.from_env()`` reads ``TRAINSTREAM``
+``Accelerator``: ``prepare(model, optimizer, ...)`` first wraps the model and optimizer on the Accelerator's
+device, then does what Accelerate does with the wrapped ones: under ``accelerate launch --num_processes N``
+its DistributedDataParallel goes around the wrapped model, the order ``trainstream_hf.engine.distributed``
+requires, and the LR scheduler keeps working (the engine's optimizer shares the user's param-group dicts).
+``TrainStreamPlugin.from_env()`` reads ``TRAINSTREAM``
 ("auto" / "on" / "off") and ``TRAINSTREAM_<OPTION>`` variables (parsed and checked by
 :func:`trainstream_hf.auto.env_config`, the same rules as the Trainer route), so a launch can configure the engine
 without code changes in the script beyond using this Accelerator. Targets accelerate 1.15-1.16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from accelerate import Accelerator
@@ -65,23 +67,37 @@ class TrainStreamAccelerator(Accelerator):
         self.trainstream_model: nn.Module | None = None
 
     def prepare(self, *args, device_placement=None):
-        out = super().prepare(*args, device_placement=device_placement)
+        """Installs the engine on the first model (with the first optimizer, if any) of ``args``, then lets
+        Accelerate prepare what ``wrap`` returned.
+
+        The engine goes in first, on ``self.device``: under several processes Accelerate's DDP must be built
+        around the wrapped model (``trainstream_hf.engine.distributed`` says why), and a model larger than the
+        GPU is placed block by block by ``wrap`` instead of moved whole by Accelerate.
+        """
         plugin = self.trainstream_plugin
         if not plugin.active():
-            return out
-        result = list(out) if isinstance(out, tuple) else [out]
-        models = [o for o in result if isinstance(o, nn.Module)]
-        opts = [o for o in result if isinstance(o, torch.optim.Optimizer)]
-        if models and engine_of(models[0]) is None:
-            model = self.unwrap_model(models[0])
-            inner = getattr(opts[0], "optimizer", opts[0]) if opts else None
-            if opts and getattr(opts[0], "scaler", None) is not None:
+            return super().prepare(*args, device_placement=device_placement)
+        args = list(args)
+        mi = next((i for i, o in enumerate(args) if isinstance(o, nn.Module)), None)
+        oi = next((i for i, o in enumerate(args) if isinstance(o, torch.optim.Optimizer)), None)
+        if mi is not None and engine_of(self.unwrap_model(args[mi])) is None:
+            model = self.unwrap_model(args[mi])
+            inner = getattr(args[oi], "optimizer", args[oi]) if oi is not None else None
+            if inner is not None and (self.scaler is not None or getattr(args[oi], "scaler", None) is not None):
                 raise ValueError("TrainStreamAccelerator: fp16 with a GradScaler is not supported; use bf16")
-            _, new_opt = wrap(model, inner, plugin.config)
-            if opts and new_opt is not inner:
-                opts[0].optimizer = new_opt
+            config = plugin.config
+            placement = self.device_placement if device_placement is None else device_placement
+            if config.device is None and placement:
+                # Accelerate's cpu device is "cpu:0", which parameters never report; the engine compares devices.
+                config = replace(config, device="cpu" if self.device.type == "cpu" else str(self.device))
+            _, new_opt = wrap(model, inner, config)
+            if oi is not None and new_opt is not inner:
+                if inner is args[oi]:
+                    args[oi] = new_opt
+                else:  # prepared by an earlier call: swap the torch optimizer inside Accelerate's wrapper
+                    args[oi].optimizer = new_opt
             self.trainstream_model = model
-        return out
+        return super().prepare(*args, device_placement=device_placement)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's clip, or the engine optimizer's when gradients live in host RAM."""
