@@ -269,7 +269,9 @@ class BlockHooks:
                 return _Packed(listener, payload)
         if outer is not None:  # the context we shadow still gets what we do not take
             return _Packed(None, (outer[1], outer[0](tensor)))
-        return tensor
+        # An alias without the graph: a node that saves its own output would otherwise hold that output (and
+        # through its grad_fn, itself) from C++, a cycle Python's gc cannot see, leaked whenever no backward runs.
+        return tensor.detach()
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
