@@ -290,6 +290,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
         return None
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
+    held: list[torch.Tensor] = []
     found = {"input": 0, "t": 0.0}
     cuda = device.type == "cuda"
 
@@ -300,6 +301,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
             ptr = kept.untyped_storage().data_ptr()
             if ptr not in params:
                 seen[ptr] = kept.untyped_storage().nbytes()
+            held.append(kept)  # alive until the block ends, as in training (else its memory is reused: miscounted)
         # Not the tensor: this forward never runs backward, and a node holding its own output through a pack
         # hook is a reference cycle through C++ that Python's gc cannot see. Returning t leaked every measured
         # forward's activations (two forwards of two blocks: ~1.3 GiB on the 8B LoRA, an OOM on the H200).
@@ -343,6 +345,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
                     model(input_ids=ids)
             except _Stop:
                 pass
+            held.clear()
             if cuda:
                 marks["end"].synchronize()
                 found["t"] = marks["start"].elapsed_time(marks["end"]) / 1e3
@@ -353,6 +356,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
             h.remove()
         if entered:  # the block raised (e.g. out of memory): don't leave `pack` on every later backward
             ctx.__exit__(None, None, None)
+        held.clear()
     return BlockMeasure(sum(seen.values()), found["input"], found["t"])
 
 
