@@ -421,3 +421,36 @@ def test_wrap_quantize_bad_input():
     with pytest.raises(ValueError, match="set quantize too"):
         ts.wrap(model, None, outliers=0.01, host_arena=None)
     assert ts.engine_of(model) is None
+
+
+def test_stats_cover_one_optimizer_step_with_its_micro_batches():
+    """With gradient accumulation a step's figures cover every micro-batch up to optimizer.step(); without an
+    optimizer each forward pass is a step."""
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **FORCE)
+    moved = []
+    for s, accum in enumerate([1, 1, 3]):
+        for k in range(accum):
+            ids = _batch(10 * s + k)
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        st = model.trainstream_stats()
+        assert st["step"] == s
+        moved.append(st["d2h_bytes"])
+    # paged weights, offloaded activations and gradients move per micro-batch: three of them, about three times
+    assert moved[0] == moved[1] and 2.5 * moved[1] < moved[2] < 3.5 * moved[1]
+    eng = ts.engine_of(model)
+    assert eng._t0 is None  # closed by step(), reopened by the next forward
+    ids = _batch(99)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert eng._t0 is not None and model.trainstream_stats()["step"] == 2
+    ts.unwrap(model)
+
+    model, _ = ts.wrap(_llama(), None, vram_budget="64GiB", host_arena=None)
+    for s in range(3):
+        ids = _batch(s)
+        with torch.no_grad():
+            model(input_ids=ids)
+    assert model.trainstream_stats()["step"] == 1  # two windows closed by the second and third forwards
+    ts.unwrap(model)

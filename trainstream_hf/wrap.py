@@ -82,6 +82,11 @@ class Engine:
         self.user_optimizer = user_optimizer
         self.steps = 0
         self._t0: float | None = None
+        # With an optimizer, a step is an optimizer step (all its micro-batches): the window opens at the first
+        # forward and closes when step() returns. Without one, each forward pass starts a new window.
+        self._step_hook = None
+        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
+            self._step_hook = optimizer.register_step_post_hook(lambda *_: self._end_step())
         self._last: dict = {}
         trace_path = os.environ.get("TRAINSTREAM_TRACE") or None
         self.timeline = Timeline(streams.device, trace_path) if (trace_path or config.timeline) else None
@@ -92,12 +97,19 @@ class Engine:
     def _begin_step(self) -> None:
         now = time.perf_counter()
         if self._t0 is not None:
+            if self._step_hook is not None:
+                return  # the window is the optimizer step: further micro-batches belong to it
             self._close_step(now)
         self._t0 = now
         if self.streams.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.streams.device)
         if self.timeline is not None:
             self.timeline.start_step()
+
+    def _end_step(self) -> None:
+        if self._t0 is not None:
+            self._close_step(time.perf_counter())
+            self._t0 = None
 
     def _close_step(self, now: float) -> None:
         dt = now - self._t0
@@ -124,8 +136,10 @@ class Engine:
     def stats(self) -> dict:
         """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part).
 
-        A step runs from one forward of block 0 to the next. To report a per-step peak the engine resets
-        CUDA's peak-memory statistics at each step start (``torch.cuda.reset_peak_memory_stats``)."""
+        A step is an optimizer step: from the first forward after the previous ``optimizer.step()`` (every
+        micro-batch of a gradient accumulation included) until ``step()`` returns; wrapped without an
+        optimizer, from one forward of block 0 to the next. To report a per-step peak the engine resets CUDA's
+        peak-memory statistics at each step start (``torch.cuda.reset_peak_memory_stats``)."""
         return dict(self._last)
 
     # -- checkpointed blocks -----------------------------------------------------------------------
@@ -184,6 +198,9 @@ class Engine:
         _remove_chunked_loss(getattr(self, "loss_owner", None))
         for h in getattr(self, "_overlap_handles", []):
             h.remove()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         self._restore_recompute()
         self.hooks.remove()
         self.streams.timeline = None
