@@ -87,13 +87,25 @@ def test_paging_and_activation_offload_bit_exact_cuda(dtype):
 
 
 def _max_diff_after_20_steps(ref, ref_opt, model, opt) -> float:
-    """20 steps of both models on the same batches, then max |parameter difference| (model unwrapped)."""
+    """20 steps of the wrapped model; before each, the reference optimizer gets the wrapped model's gradients for its
+    own copies of the parameters, so only optimizer arithmetic can differ; then max |parameter difference|.
+
+    Running the reference model's own forward and backward instead compares two trajectories: on CUDA, 20 forward and
+    backward passes amplify last-bit weight differences, so torch's CPU and CUDA AdamW themselves end 1.5e-5 apart
+    that way, and so did the offloaded AdamW (1.3e-5, benchmarks/results/gpu-tests-h200.json) while the gradients of
+    one step are torch.equal (test_full_finetune_gradients_bit_exact_cuda). The CPU test of the whole loop
+    (tests/test_wrap.py) stays end to end."""
     for s in range(20):
-        for m, o in ((ref, ref_opt), (model, opt)):
-            ids = _ids(s)
-            m(input_ids=ids, labels=ids).loss.backward()
-            o.step()
-            o.zero_grad()
+        ids = _ids(s)
+        model(input_ids=ids, labels=ids).loss.backward()
+        host = opt.host_grads() if hasattr(opt, "host_grads") else {}
+        for r, q in zip(ref.parameters(), model.parameters()):
+            g = q.grad if q.grad is not None else host.get(q)
+            r.grad = None if g is None else g.detach().to(r.device).view_as(r).clone()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     ts.unwrap(model)
     return max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
 
