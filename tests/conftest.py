@@ -12,3 +12,30 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+def _train_side_by_side(ref, model, ref_opt, opt, batches):
+    """Steps ``ref`` and the wrapped ``model`` on the same batches (token ids, used as labels too): each step's loss
+    and every parameter gradient must be ``torch.equal``. Without optimizers the gradients are only reset."""
+    for ids in batches:
+        la = ref(input_ids=ids, labels=ids).loss
+        la.backward()
+        lb = model(input_ids=ids, labels=ids).loss
+        lb.backward()
+        assert torch.equal(la, lb)
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            if p.grad is not None or q.grad is not None:
+                assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad), n
+        for m, o in ((ref, ref_opt), (model, opt)):
+            if o is not None:
+                o.step()
+                o.zero_grad()
+            else:
+                for p in m.parameters():
+                    p.grad = None
+
+
+@pytest.fixture
+def train_side_by_side():
+    """The bit-exactness loop many tests share (see :func:`_train_side_by_side`)."""
+    return _train_side_by_side

@@ -270,7 +270,7 @@ def test_fixed_arena_smaller_than_plan_is_a_clear_error():
     assert ts.engine_of(model) is None
 
 
-def test_recomputed_blocks_train_exactly_and_are_restored():
+def test_recomputed_blocks_train_exactly_and_are_restored(train_side_by_side):
     """recompute=True checkpoints every block (transformers' own mechanism, per layer): losses and
     gradients equal the plain model's bit for bit; unwrap turns checkpointing off again."""
     ref = _llama()
@@ -280,17 +280,7 @@ def test_recomputed_blocks_train_exactly_and_are_restored():
                          offload_optimizer=False)
     assert ts.engine_of(model).plan.recomputed_blocks == [0, 1, 2]
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for s in range(3):
-        ids = _batch(s)
-        la = ref(input_ids=ids, labels=ids).loss
-        la.backward()
-        lb = model(input_ids=ids, labels=ids).loss
-        lb.backward()
-        assert torch.equal(la, lb)
-        for p, q in zip(ref.parameters(), model.parameters()):
-            assert torch.equal(p.grad, q.grad)
-        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    train_side_by_side(ref, model, torch.optim.AdamW(ref.parameters(), lr=1e-3), opt, [_batch(s) for s in range(3)])
     ts.unwrap(model)
     assert not any(layer.gradient_checkpointing for layer in model.model.layers)
 
@@ -348,7 +338,7 @@ def test_wrap_full_engine_on_each_family(family):
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "fp8"])
-def test_wrap_pages_a_quantized_lora_base_exactly(fmt):
+def test_wrap_pages_a_quantized_lora_base_exactly(fmt, train_side_by_side):
     """QLoRA shape: a quantize_model'd base with PEFT LoRA, base blocks paged as packed bytes and
     activations offloaded: losses and LoRA gradients equal the unwrapped model's bit for bit."""
     from peft import LoraConfig, get_peft_model
@@ -369,17 +359,7 @@ def test_wrap_pages_a_quantized_lora_base_exactly(fmt):
     assert not any(p.requires_grad for p in packed)
     assert packed and all(p.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float32) for p in packed)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
-    for s in range(3):
-        ids = _batch(s)
-        la = ref(input_ids=ids, labels=ids).loss
-        la.backward()
-        lb = model(input_ids=ids, labels=ids).loss
-        lb.backward()
-        assert torch.equal(la, lb)
-        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
-            if p.requires_grad:
-                assert torch.equal(p.grad, q.grad), n
-        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    train_side_by_side(ref, model, ref_opt, opt, [_batch(s) for s in range(3)])
     assert model.trainstream_stats()["weights"]["h2d_bytes"] > 0
     ts.unwrap(model)
 

@@ -93,31 +93,20 @@ def test_install_wraps_cast_input_dtype_and_uninstall_restores():
 
 
 # -- the engine: bit-exact, less memory ---------------------------------------------------------------
-def _compare(options, steps=3):
+def _compare(train_side_by_side, options, steps=3):
     ref = _lora_llama()
     model = copy.deepcopy(ref)
     model, opt = ts.wrap(model, _lora_opt(model), vram_budget="64GiB", host_arena=None, page_weights=False,
                          offload_optimizer=False, **options)
-    ref_opt = _lora_opt(ref)
-    for s in range(steps):
-        ids = _ids(s)
-        la = ref(input_ids=ids, labels=ids).loss
-        la.backward()
-        lb = model(input_ids=ids, labels=ids).loss
-        lb.backward()
-        assert torch.equal(la, lb)
-        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
-            if p.requires_grad:
-                assert torch.equal(p.grad, q.grad), n
-        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    train_side_by_side(ref, model, _lora_opt(ref), opt, [_ids(s) for s in range(steps)])
     return model
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_lora_blocks_save_the_bf16_source_bit_exact(offload):
+def test_lora_blocks_save_the_bf16_source_bit_exact(offload, train_side_by_side):
     """Kept on the device or offloaded, a LoRA block that saves the bf16 source of each fp32 copy gives the same
     losses and LoRA gradients as the plain PEFT model, bit for bit."""
-    model = _compare(dict(offload_activations=offload, min_activation_bytes=0))
+    model = _compare(train_side_by_side, dict(offload_activations=offload, min_activation_bytes=0))
     stats = model.trainstream_stats()["activations"]
     # 7 LoRA layers per block, 3 blocks, each saving (views of) an fp32 copy of its input
     assert stats["casts_elided"] >= 7 * 3
@@ -128,8 +117,8 @@ def test_lora_blocks_save_the_bf16_source_bit_exact(offload):
     assert eng.casts is not None and not any("_cast_input_dtype" in m.__dict__ for m in model.modules())
 
 
-def test_elide_casts_off_keeps_the_copies():
-    model = _compare(dict(offload_activations=False, elide_casts=False), steps=1)
+def test_elide_casts_off_keeps_the_copies(train_side_by_side):
+    model = _compare(train_side_by_side, dict(offload_activations=False, elide_casts=False), steps=1)
     assert ts.engine_of(model).offloader is None and ts.engine_of(model).casts is None
 
 

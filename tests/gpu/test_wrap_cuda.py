@@ -59,7 +59,7 @@ def _ids(step):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paging_and_activation_offload_bit_exact_cuda(dtype):
+def test_paging_and_activation_offload_bit_exact_cuda(dtype, train_side_by_side):
     ref = _llama(dtype)
     model = copy.deepcopy(ref)
     for m in (ref, model):
@@ -68,17 +68,7 @@ def test_paging_and_activation_offload_bit_exact_cuda(dtype):
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model, opt = ts.wrap(model, opt, **{**FORCE, "offload_optimizer": False})
-    for s in range(5):
-        ids = _ids(s)
-        la = ref(input_ids=ids, labels=ids).loss
-        la.backward()
-        lb = model(input_ids=ids, labels=ids).loss
-        lb.backward()
-        assert torch.equal(la, lb)
-        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
-            if p.grad is not None:
-                assert torch.equal(p.grad, q.grad), n
-        ref_opt.step(); opt.step(); ref_opt.zero_grad(); opt.zero_grad()
+    train_side_by_side(ref, model, ref_opt, opt, [_ids(s) for s in range(5)])
     st = model.trainstream_stats()
     assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
     ts.unwrap(model)
@@ -121,7 +111,7 @@ def test_offloaded_adamw_with_paging_matches_torch_cuda(grads):
     assert _max_diff_after_20_steps(ref, ref_opt, model, opt) < 1e-6
 
 
-def test_model_in_host_ram_paged_onto_the_gpu():
+def test_model_in_host_ram_paged_onto_the_gpu(train_side_by_side):
     """A model loaded on the CPU, wrapped with device='cuda' and paged weights: non-block parts and slots
     on the GPU, block weights in the arena; losses and gradients equal a GPU copy of the same model."""
     torch.manual_seed(0)
@@ -137,17 +127,7 @@ def test_model_in_host_ram_paged_onto_the_gpu():
                        vram_budget="64GiB")
     assert model.model.embed_tokens.weight.is_cuda and model.lm_head.weight.is_cuda
     assert ts.engine_of(model).plan.paged_blocks == [0, 1, 2, 3]
-    for s in range(3):
-        ids = _ids(s)
-        la = ref(input_ids=ids, labels=ids).loss
-        la.backward()
-        lb = model(input_ids=ids, labels=ids).loss
-        lb.backward()
-        assert torch.equal(la, lb)
-        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
-            if p.grad is not None:
-                assert torch.equal(p.grad, q.grad), n
-            p.grad = q.grad = None
+    train_side_by_side(ref, model, None, None, [_ids(s) for s in range(3)])
     ts.unwrap(model)
     for p, q in zip(ref.parameters(), model.parameters()):
         assert q.is_cuda and torch.equal(p, q)
