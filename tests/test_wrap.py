@@ -434,3 +434,19 @@ def test_stats_cover_one_optimizer_step_with_its_micro_batches():
             model(input_ids=ids)
     assert model.trainstream_stats()["step"] == 1  # two windows closed by the second and third forwards
     ts.unwrap(model)
+
+
+def test_stats_count_python_gc_pauses_per_step():
+    import gc
+
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), vram_budget="64GiB", host_arena=None)
+    callbacks = len(gc.callbacks)
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    gc.collect()  # a full pass inside the step's window
+    opt.step()
+    st = model.trainstream_stats()["python_gc"]
+    assert st["collections"][2] >= 1 and st["seconds"] > 0
+    ts.unwrap(model)
+    assert len(gc.callbacks) == callbacks - 1

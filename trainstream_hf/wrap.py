@@ -7,8 +7,10 @@ AdamW. ``unwrap`` takes it all out again and leaves an ordinary model holding th
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 from dataclasses import replace
 
 import torch
@@ -92,8 +94,28 @@ class Engine:
         self.timeline = Timeline(streams.device, trace_path) if (trace_path or config.timeline) else None
         streams.timeline = self.timeline
         hooks.add(_StepClock(self))
+        # Python's cyclic GC pauses the thread that launches the GPU work; a full (generation 2) pass over a large
+        # heap takes tens to hundreds of ms. Counted per step so a slow step can be told apart from a slow GPU.
+        self._gc = {"collections": [0, 0, 0], "seconds": 0.0, "t": None}
+        on_gc = weakref.WeakMethod(self._on_gc)  # gc.callbacks must not keep a dropped model's engine alive
+
+        def gc_callback(phase, info):
+            method = on_gc()
+            if method is not None:
+                method(phase, info)
+
+        self._gc_callback = gc_callback
+        gc.callbacks.append(gc_callback)
 
     # -- statistics -------------------------------------------------------------------------------
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc["t"] = time.perf_counter()
+        elif self._gc["t"] is not None:
+            self._gc["collections"][info["generation"]] += 1
+            self._gc["seconds"] += time.perf_counter() - self._gc["t"]
+            self._gc["t"] = None
+
     def _begin_step(self) -> None:
         now = time.perf_counter()
         if self._t0 is not None:
@@ -101,6 +123,7 @@ class Engine:
                 return  # the window is the optimizer step: further micro-batches belong to it
             self._close_step(now)
         self._t0 = now
+        self._gc.update(collections=[0, 0, 0], seconds=0.0)
         if self.streams.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.streams.device)
         if self.timeline is not None:
@@ -124,6 +147,8 @@ class Engine:
             s["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.streams.device)
             s["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.streams.device)
         s["overlap"] = None  # measured only with the timeline on (it costs a host sync per step)
+        s["python_gc"] = {"collections": list(self._gc["collections"]), "seconds": self._gc["seconds"]}
+        self._gc.update(collections=[0, 0, 0], seconds=0.0)
         if self.timeline is not None:
             fig = self.timeline.close_step(self.steps)
             s.update({k: v for k, v in fig.items()})
@@ -201,6 +226,8 @@ class Engine:
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
         self._restore_recompute()
         self.hooks.remove()
         self.streams.timeline = None

@@ -118,3 +118,41 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     for p, q in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_engine_installed_when_the_optimizer_is_created(tmp_path):
+    """Before Accelerate's prepare (which moves the whole model): a model larger than the GPU can wait in host RAM
+    for the engine to place it. create_optimizer returns the engine's optimizer, and the scheduler is built on it."""
+    model = _model()
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",
+                                        trainstream_offload_optimizer="true", trainstream_min_offload_numel=0,
+                                        **COMMON)
+    trainer = TrainStreamTrainer(model=model, args=args, train_dataset=_data())
+    assert ts.engine_of(model) is None
+    opt = trainer.create_optimizer()
+    assert ts.engine_of(model) is not None and type(opt).__name__ == "OffloadedAdamW" and trainer.optimizer is opt
+    assert trainer.create_optimizer() is opt  # a second call (a second train()) installs nothing more
+    ts.unwrap(model)
+
+
+def test_trainer_leaves_a_model_that_does_not_fit_to_the_engine(monkeypatch, tmp_path):
+    """The Trainer's own move of the whole model is skipped when the model outgrows the device's free memory (the
+    engine places it, paged blocks in host RAM); a model that fits moves as before."""
+    from trainstream_hf.integrations import transformers as integ
+
+    model = _model()
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need // 2, 80 << 30))
+    assert integ._does_not_fit(model, "cuda:0")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need * 4, 80 << 30))
+    assert not integ._does_not_fit(model, "cuda:0")
+    assert not integ._does_not_fit(model, "cpu")
+    moved = []
+    monkeypatch.setattr(Trainer, "_move_model_to_device", lambda self, m, d: moved.append(d))
+    monkeypatch.setattr(integ, "_does_not_fit", lambda m, d: True)
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", **COMMON)
+    TrainStreamTrainer(model=model, args=args, train_dataset=_data())
+    assert moved == []
+    monkeypatch.setattr(integ, "_does_not_fit", lambda m, d: False)
+    TrainStreamTrainer(model=model, args=args, train_dataset=_data())
+    assert len(moved) == 1

@@ -79,31 +79,43 @@ class TrainStreamCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None or engine_of(model) is not None:
+            if model is not None and self.model is None:
+                self.model = model  # installed earlier (EngineTrainerMixin.create_optimizer): just report
             return
-        if self.config.grads == "host" and args.max_grad_norm:
-            raise ValueError("TrainStreamCallback: grads='host' keeps gradients where the Trainer's clipping "
-                             "cannot see them; set max_grad_norm=0 or use grads='device'")
         inner = getattr(optimizer, "optimizer", optimizer)
         if getattr(optimizer, "scaler", None) is not None:
             raise ValueError("TrainStreamCallback: fp16 with a GradScaler is not supported; train in bf16")
         if inner is None:
             raise ValueError("TrainStreamCallback: the Trainer has no optimizer at train begin")
-        shape = self.config.batch_shape or (args.per_device_train_batch_size,
-                                             getattr(getattr(model, "config", None), "max_position_embeddings",
-                                                     2048) or 2048)
-        cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape)})
-        if cfg.quantize is not None:
-            # Packed here, in place, since the script loaded a dense model; wrap itself takes no quantize.
-            self.quantized = quantize_frozen_base(model, cfg.quantize, cfg.outliers)
-            cfg = replace(cfg, quantize=None, outliers=0.0)
-        _, new_opt = wrap(model, inner, cfg)
+        new_opt = self.install(args, model, inner)
         if new_opt is not inner:
             if inner is optimizer:
                 unwrap(model)
                 raise ValueError("TrainStreamCallback: the Trainer's optimizer is not an Accelerate-prepared "
                                  "optimizer, so it cannot be replaced from a callback; use TrainStreamTrainer")
             optimizer.optimizer = new_opt
+
+    def install(self, args, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Wraps ``model`` and ``optimizer`` (a plain torch optimizer) for the Trainer's ``args``; returns the
+        optimizer to use. A model not on ``args.device`` yet (the engine trainers skip the Trainer's own move) is
+        placed there by the engine, paged blocks staying in host RAM."""
+        if self.config.grads == "host" and args.max_grad_norm:
+            raise ValueError("TrainStreamCallback: grads='host' keeps gradients where the Trainer's clipping "
+                             "cannot see them; set max_grad_norm=0 or use grads='device'")
+        shape = self.config.batch_shape or (args.per_device_train_batch_size,
+                                             getattr(getattr(model, "config", None), "max_position_embeddings",
+                                                     2048) or 2048)
+        cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape)})
+        if cfg.device is None and torch.device(args.device).type != "cpu" and any(
+                p.device != torch.device(args.device) for p in model.parameters()):
+            cfg = replace(cfg, device=str(args.device))
+        if cfg.quantize is not None:
+            # Packed here, in place, since the script loaded a dense model; wrap itself takes no quantize.
+            self.quantized = quantize_frozen_base(model, cfg.quantize, cfg.outliers)
+            cfg = replace(cfg, quantize=None, outliers=0.0)
+        _, new_opt = wrap(model, optimizer, cfg)
         self.model = model
+        return new_opt
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.model is not None and engine_of(self.model) is not None:
@@ -234,19 +246,65 @@ class TrainStreamTrainingArguments(TrainingArguments):
             min_activation_bytes=self.trainstream_min_activation_bytes)
 
 
-class TrainStreamTrainer(Trainer):
+def _does_not_fit(model: nn.Module, device) -> bool:
+    """A model whose parameters outgrow the device's free memory (moving it whole would fail): only the engine can
+    place it. Smaller models move as the Trainer always moves them (evaluation before training keeps working)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    need = sum(p.numel() * p.element_size() for p in model.parameters() if p.device != device)
+    return need > 0.9 * free
+
+
+def engine_config(args, trainstream_config: TrainStreamConfig | None) -> TrainStreamConfig | None:
+    """The engine configuration a trainer gets: an explicit one, or what ``TrainStreamTrainingArguments`` turn on."""
+    if trainstream_config is None and isinstance(args, TrainStreamTrainingArguments) and args.trainstream_enabled():
+        trainstream_config = args.trainstream_config()
+    return trainstream_config
+
+
+class EngineTrainerMixin:
+    """For Trainer subclasses with the engine: it is installed when the optimizer is created, before Accelerate's
+    ``prepare`` (which moves the whole model to the device), and the Trainer's own move in ``__init__`` is skipped,
+    so a model larger than the GPU can stay in host RAM until the engine places it (paged blocks stay there).
+    Subclasses call :meth:`_ts_setup` before ``Trainer.__init__`` and :meth:`_ts_attach` after it."""
+
+    _ts_callback: TrainStreamCallback | None = None
+    _ts_places_model: bool = False
+
+    def _ts_setup(self, args, trainstream_config: TrainStreamConfig | None) -> TrainStreamConfig | None:
+        cfg = engine_config(args, trainstream_config)
+        self._ts_places_model = cfg is not None
+        return cfg
+
+    def _ts_attach(self, cfg: TrainStreamConfig | None) -> None:
+        self._ts_callback = TrainStreamCallback(cfg) if cfg is not None else None
+        if self._ts_callback is not None:
+            self.add_callback(self._ts_callback)
+
+    def _move_model_to_device(self, model, device):
+        if self._ts_places_model and _does_not_fit(model, device):
+            return  # the engine places it when the optimizer is created (create_optimizer below)
+        super()._move_model_to_device(model, device)
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self._ts_callback is not None and engine_of(self.model) is None:
+            self.optimizer = optimizer = self._ts_callback.install(self.args, self.model, optimizer)
+        return optimizer
+
+
+class TrainStreamTrainer(EngineTrainerMixin, Trainer):
     """A Trainer that installs the engine when its arguments ask for it (``TrainStreamTrainingArguments``)
     and adds the engine's figures to every log before the reporting callbacks see it."""
 
     def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, **kwargs):
+        cfg = self._ts_setup(kwargs.get("args", args[1] if len(args) > 1 else None), trainstream_config)
         super().__init__(*args, **kwargs)
-        self._ts_callback = None
-        enabled = trainstream_config is not None or (
-            isinstance(self.args, TrainStreamTrainingArguments) and self.args.trainstream_enabled())
-        if enabled:
-            cfg = trainstream_config or self.args.trainstream_config()
-            self._ts_callback = TrainStreamCallback(cfg)
-            self.add_callback(self._ts_callback)
+        if cfg is None and isinstance(self.args, TrainStreamTrainingArguments) and self.args.trainstream_enabled():
+            cfg = self.args.trainstream_config()  # args=None: the Trainer made default arguments
+        self._ts_attach(cfg)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._ts_callback is not None and self._ts_callback.last:

@@ -4,8 +4,9 @@ Both subclasses target **TRL 1.16** and differ from TRL's trainers in the same t
 
 * The engine: ``trainstream_config=`` (or a ``TrainStreamDPOConfig`` / ``TrainStreamGRPOConfig``, i.e. TRL's config
   plus every ``trainstream_*`` field of :class:`~trainstream_hf.integrations.transformers.TrainStreamTrainingArguments`)
-  adds a :class:`~trainstream_hf.integrations.transformers.TrainStreamCallback`, which installs the engine when
-  training begins and takes it out at the end (as ``TrainStreamTrainer`` does); the engine's figures go into every log.
+  installs the engine when the optimizer is created, before Accelerate's ``prepare`` (``EngineTrainerMixin``, as in
+  ``TrainStreamTrainer``); a model that does not fit the device stays in host RAM until then, and its
+  :class:`~trainstream_hf.integrations.transformers.TrainStreamCallback` puts the engine's figures into every log.
 * One model in memory. The reference is the same model: for a PEFT policy, the model with its adapters switched off
   (or its ``"ref"`` adapter, which TRL 1.16 copies from a policy that came with a trained adapter). The reference
   log-probabilities are computed by :mod:`trainstream_hf.losses` (hidden states of the completion tokens only, through
@@ -54,8 +55,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from trainstream_hf.config import TrainStreamConfig
-from trainstream_hf.integrations.transformers import (TrainStreamCallback, TrainStreamTrainingArguments,
-                                                      log_figures)
+from trainstream_hf.integrations.transformers import EngineTrainerMixin, TrainStreamTrainingArguments, log_figures
 from trainstream_hf.losses import sequence_logprobs, token_logprobs
 from trainstream_hf.wrap import engine_of
 
@@ -78,13 +78,6 @@ class TrainStreamGRPOConfig(GRPOConfig, TrainStreamTrainingArguments):
 
 
 # -- shared machinery -------------------------------------------------------------------------------------------
-def _engine_callback(args: Any, trainstream_config: TrainStreamConfig | None) -> TrainStreamCallback | None:
-    """The callback an explicit config, or arguments asking for the engine, call for (as ``TrainStreamTrainer``)."""
-    if trainstream_config is None and isinstance(args, TrainStreamTrainingArguments) and args.trainstream_enabled():
-        trainstream_config = args.trainstream_config()
-    return TrainStreamCallback(trainstream_config) if trainstream_config is not None else None
-
-
 def _synchronize_engines(model: nn.Module) -> None:
     """Waits for the engine's overlapped CPU optimizer step. The model's top-level forward hook does that wait, and
     ``losses`` (decoder and head called directly) and ``generate`` bypass it."""
@@ -122,13 +115,16 @@ def _log(trainer, logs: dict[str, float]) -> None:
 
 
 # -- DPO ----------------------------------------------------------------------------------------------------------
-class TrainStreamDPOTrainer(DPOTrainer):
+_DPO_INIT = inspect.signature(DPOTrainer.__init__)
+
+
+class TrainStreamDPOTrainer(EngineTrainerMixin, DPOTrainer):
     """``trl.DPOTrainer`` (TRL 1.16) with the trainstream engine and chunked reference log-probabilities.
 
     Args:
         *args, **kwargs: as for ``DPOTrainer``.
         trainstream_config: when given (or when ``args`` is a :class:`TrainStreamDPOConfig` that turns the engine on),
-            the engine is installed at train begin (``TrainStreamCallback``) and its figures are logged as
+            the engine is installed when the optimizer is created (``EngineTrainerMixin``) and its figures are logged as
             ``trainstream/*``.
         ref_chunk_tokens: completion tokens per LM-head chunk in the reference pass; bounds its largest
             intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
@@ -140,11 +136,9 @@ class TrainStreamDPOTrainer(DPOTrainer):
             raise ValueError(f"ref_chunk_tokens must be >= 1, got {ref_chunk_tokens}")
         # Set before DPOTrainer.__init__: with precompute_ref_log_probs it calls compute_ref_log_probs from there.
         self.ref_chunk_tokens = int(ref_chunk_tokens)
-        self._ts_callback = None
+        cfg = self._ts_setup(_DPO_INIT.bind(self, *args, **kwargs).arguments.get("args"), trainstream_config)
         super().__init__(*args, **kwargs)
-        self._ts_callback = _engine_callback(self.args, trainstream_config)
-        if self._ts_callback is not None:
-            self.add_callback(self._ts_callback)
+        self._ts_attach(cfg)
 
     # -- reference log-probs ------------------------------------------------------------------------
     def _ts_covers(self, inputs: dict[str, Any]) -> bool:
@@ -199,7 +193,7 @@ class TrainStreamDPOTrainer(DPOTrainer):
 _GRPO_INIT = inspect.signature(GRPOTrainer.__init__)
 
 
-class TrainStreamGRPOTrainer(GRPOTrainer):
+class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` (TRL 1.16) with the trainstream engine and a reference that is the same model.
 
     With ``beta > 0`` the KL term's reference per-token log-probabilities come from the policy with its LoRA adapters
@@ -209,7 +203,7 @@ class TrainStreamGRPOTrainer(GRPOTrainer):
     Args:
         *args, **kwargs: as for ``GRPOTrainer``.
         trainstream_config: when given (or when ``args`` is a :class:`TrainStreamGRPOConfig` that turns the engine
-            on), the engine is installed at train begin (``TrainStreamCallback``) and its figures are logged as
+            on), the engine is installed when the optimizer is created (``EngineTrainerMixin``) and its figures are logged as
             ``trainstream/*``.
         ref_chunk_tokens: completion tokens per LM-head chunk in the reference pass; bounds its largest
             intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
@@ -232,14 +226,12 @@ class TrainStreamGRPOTrainer(GRPOTrainer):
                 f"LoRA adapters (pass peft_config=LoraConfig(...), or a peft.PeftModel) so that the reference is the "
                 f"same model with its adapters switched off, or set beta=0.0 (no KL term, TRL's default).")
         self.ref_chunk_tokens = int(ref_chunk_tokens)
-        self._ts_callback = None
+        cfg = self._ts_setup(grpo_args, trainstream_config)
         super().__init__(*args, **kwargs)
         if self.ref_model is not None:  # TRL changed how it builds the reference: never keep a second model
             raise RuntimeError("TrainStreamGRPOTrainer: TRL created a ref_model; this class targets TRL 1.16, which "
                                "keeps none for a PEFT policy")
-        self._ts_callback = _engine_callback(self.args, trainstream_config)
-        if self._ts_callback is not None:
-            self.add_callback(self._ts_callback)
+        self._ts_attach(cfg)
 
     def _ts_is_reference_call(self, model, compute_entropy: bool, compute_aux_loss: bool, extra: dict) -> bool:
         """Whether TRL 1.16 is asking for the reference's log-probs (see the module docstring), text-only."""

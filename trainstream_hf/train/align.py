@@ -24,7 +24,6 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from trainstream_hf.engine.hooks import BlockListener
 from trainstream_hf.train import data, model as models, report
 from trainstream_hf.train.config import ConfigError, parse_args, to_dict
 from trainstream_hf.wrap import engine_of
@@ -130,28 +129,11 @@ def workdir() -> Iterator[str]:
         yield path
 
 
-class _EngineSteps(BlockListener):
-    """Collects the figures of every engine step as it closes. The engine's step runs from one forward of block 0
-    to the next, so one optimizer step of these trainers holds several: the reference pass, each generated token
-    (GRPO), and the policy's forward, backward and optimizer step."""
-
-    pack_priority = 1000  # after the engine's own step clock, which closes the previous step's figures
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.closed: list[dict] = []
-
-    def step_start(self) -> None:
-        s = self.engine.stats()
-        if s and (not self.closed or s["step"] != self.closed[-1]["step"]):
-            self.closed.append(s)
-
-
 class Progress(TrainerCallback):
     """One progress bar showing the logged figures named in ``shown`` (transformers' own bar, which also prints
     every log, is taken out), the wall time of every optimizer step (its generation included, for GRPO), and, while
-    the engine is installed, its plan and what it moved in each optimizer step (the sum over the engine steps that
-    closed during it, :class:`_EngineSteps`).
+    the engine is installed, its plan and what it moved in each optimizer step (the engine's step is the optimizer
+    step).
 
     Args:
         desc: the bar's label.
@@ -164,7 +146,7 @@ class Progress(TrainerCallback):
         self.moved: list[dict] = []  # per optimizer step: bytes each way and engine steps closed
         self.plan: dict | None = None
         self.bar = None
-        self._listener: _EngineSteps | None = None
+        self._engine = None
         self._t0 = 0.0
 
     @classmethod
@@ -182,8 +164,7 @@ class Progress(TrainerCallback):
         engine = engine_of(model) if model is not None else None
         if engine is not None:
             self.plan = report.plan_summary(engine.plan)
-            self._listener = _EngineSteps(engine)
-            engine.hooks.add(self._listener)
+            self._engine = engine
         self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -191,11 +172,11 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds.append(time.perf_counter() - self._t0)
-        if self._listener is not None and self._listener.closed:
-            closed, self._listener.closed = self._listener.closed, []
-            self.moved.append({"h2d_bytes": sum(s["h2d_bytes"] for s in closed),
-                               "d2h_bytes": sum(s["d2h_bytes"] for s in closed),
-                               "engine_steps": len(closed), "last": closed[-1]})
+        # The engine's step is the optimizer step (reference pass, generation, forward, backward): it closed
+        # when step() returned, just before this event.
+        s = self._engine.stats() if self._engine is not None else None
+        if s and (not self.moved or s["step"] != self.moved[-1]["last"]["step"]):
+            self.moved.append({"h2d_bytes": s["h2d_bytes"], "d2h_bytes": s["d2h_bytes"], "last": s})
         self.bar.update(1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -209,17 +190,15 @@ class Progress(TrainerCallback):
 
     def engine(self) -> dict | None:
         """The summary's ``trainstream`` section (None when the engine was not installed): medians per optimizer
-        step. The first step is left out: the engine closes a step's figures when the next forward begins, so the
-        first optimizer step sees only its own reference pass / generation, not its training step."""
+        step, every step's figures whole (the engine's step is the optimizer step)."""
         if self.plan is None:
             return None
-        full = self.moved[1:]
+        full = self.moved
         out: dict = {"plan": self.plan, "steps_measured": len(full)}
         if full:
             last = full[-1]["last"]
             out.update({"h2d_bytes_per_step": statistics.median(m["h2d_bytes"] for m in full),
                         "d2h_bytes_per_step": statistics.median(m["d2h_bytes"] for m in full),
-                        "engine_steps_per_step": statistics.median(m["engine_steps"] for m in full),
                         "arena_reserved_bytes": last["arena_reserved_bytes"],
                         "arena_used_bytes": last["arena_used_bytes"], "last_engine_step": last})
             peaks = [m["last"]["peak_allocated_bytes"] for m in full if "peak_allocated_bytes" in m["last"]]

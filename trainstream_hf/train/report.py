@@ -20,8 +20,8 @@ __all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "check_output_d
 class StepLog:
     """Per-step wall time and loss, and the engine's per-step figures when the model is wrapped.
 
-    ``model.trainstream_stats()`` describes the last *completed* step (a step closes when the next one's
-    forward begins), so each new figure is recorded once, keyed by its step number.
+    ``model.trainstream_stats()`` describes the last *completed* step (it closes when ``optimizer.step()``
+    returns), so each new figure is recorded once, keyed by its step number.
     """
 
     def __init__(self, model=None):
@@ -50,8 +50,7 @@ class StepLog:
         return out
 
     def engine_summary(self) -> dict:
-        """Medians over the recorded steps of bytes moved each way, and the last step's full figures. The
-        last step of a run is never among them: nothing starts after it to close it."""
+        """Medians over the recorded steps of bytes moved each way, and the last step's full figures."""
         if not self.engine:
             return {"steps_measured": 0}
         med = {k: statistics.median(s[k] for s in self.engine)
@@ -176,7 +175,7 @@ def format_run(s: dict) -> list[str]:
     lines.append(f"peak memory ({mem['kind']}): {_mib(mem['bytes'])}")
     ts = s.get("trainstream")
     if ts and not ts["steps_measured"]:
-        lines.append("trainstream: no completed step measured (a step's figures close when the next one begins)")
+        lines.append("trainstream: no completed step measured (a step's figures close when optimizer.step() returns)")
     elif ts:
         passes = (f", {ts['engine_steps_per_step']:g} forward passes each" if ts.get("engine_steps_per_step", 1) != 1
                   else "")
