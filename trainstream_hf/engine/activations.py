@@ -126,6 +126,7 @@ class ActivationOffloader(BlockListener):
         # holds it, so its host block and device copy are released as soon as the backward has used it.
         self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._param_ptrs: tuple[int, set[int]] = (-1, set())
+        self._block_tensors: dict[int, tuple[torch.Tensor, ...]] = {}
         self._stats = {"offloaded": 0, "d2h_bytes": 0, "h2d_bytes": 0, "deduplicated": 0, "kept_small": 0,
                        "kept_layout": 0, "casts_elided": 0, "cast_bytes_elided": 0}
         self.closed = False
@@ -152,8 +153,13 @@ class ActivationOffloader(BlockListener):
 
     def forward_start(self, i: int) -> None:
         if i in self._chosen:
-            block = self.hooks.layers[i]
-            ptrs = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
+            tensors = self._block_tensors.get(i)
+            if tensors is None:
+                # The module walk is cached (it was ~6% of a CPU step); the storages are read each time, since
+                # the pager swaps them.
+                block = self.hooks.layers[i]
+                tensors = self._block_tensors[i] = (*block.parameters(), *block.buffers())
+            ptrs = {t.untyped_storage().data_ptr() for t in tensors}
             ptrs.discard(0)
             self._param_ptrs = (i, ptrs)
 
