@@ -56,6 +56,12 @@ class _Offloaded:
         self.h2d: Transfer | None = None
 
 
+def _is_parameter(t) -> bool:
+    # Most saved tensors are plain torch.Tensor: skip Parameter's Python-level isinstance hook for them (a few us
+    # each, thousands of saves per step).
+    return t is not None and type(t) is not torch.Tensor and isinstance(t, nn.Parameter)
+
+
 @dataclass
 class Prefetch:
     """How far ahead backward may fetch offloaded activations (see the module docstring).
@@ -196,7 +202,7 @@ class ActivationOffloader(BlockListener):
         if nbytes < self.min_bytes or nbytes == 0:
             self._stats["kept_small"] += 1
             return None
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(t._base, nn.Parameter):
+        if _is_parameter(t) or (t.is_leaf and t.requires_grad) or _is_parameter(t._base):
             return None
         if self._param_ptrs[0] == i and t.untyped_storage().data_ptr() in self._param_ptrs[1]:
             return None  # aliases a parameter or buffer (e.g. a .detach() view): copying saves nothing
