@@ -139,6 +139,13 @@ def test_wrap_twice_and_unwrap_unwrapped_raise():
         ts.unwrap(model)
 
 
+def test_optimizer_of_another_model_is_refused():
+    model, other = _llama(), _llama(seed=1)
+    with pytest.raises(ValueError, match="2 tensor|not parameters of this model"):
+        ts.wrap(model, torch.optim.AdamW(list(model.parameters()) + list(other.parameters())[:2]), **FORCE)
+    assert ts.engine_of(model) is None
+
+
 def test_budget_below_minimum_is_a_clear_error():
     model = _llama()
     with pytest.raises(ts.BudgetError, match="below the minimum"):

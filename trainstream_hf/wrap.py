@@ -321,6 +321,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
+    if optimizer is not None:
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(f"wrap: the optimizer holds {foreign} tensor(s) that are not parameters of this model; "
+                             "build it from this model's parameters (e.g. model.parameters())")
     # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
     dp_group = data_parallel.process_group(config.data_parallel, config.grads)
     if dp_group is not None and config.grads == "auto":
