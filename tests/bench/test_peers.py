@@ -211,3 +211,24 @@ def test_engine_quick_runs_trainstream_beside_peers(tmp_path, capsys):
         assert rows[key]["status"] == "ok" and rows[key]["step_s"] > 0, rows[key]
         assert rows[key]["predicted_peak"] > 0 and "engine_stats" in rows[key]
     assert rows["ts_full"]["offloaded_optimizer_params"] > 0
+
+
+def test_harness_counts_python_gc_and_can_freeze(monkeypatch):
+    """Every row reports the cyclic GC's collections and pause time during its timed steps; --gc-freeze moves what
+    is alive after warm-up out of the collector's reach for them (and back after)."""
+    import gc
+
+    from trainstream_hf.bench import harness
+
+    def setup():
+        def step():
+            gc.collect()  # one full collection per timed step
+        return step, None
+
+    row = measure_training("x", setup, device=torch.device("cpu"), warmup=1, repeats=3)
+    assert row["python_gc"]["collections"][2] == 3 and row["python_gc"]["frozen"] is False
+    frozen_during = []
+    monkeypatch.setattr(harness, "GC_FREEZE", True)
+    row = measure_training("y", lambda: ((lambda: frozen_during.append(gc.get_freeze_count())), None),
+                           device=torch.device("cpu"), warmup=0, repeats=2)
+    assert row["python_gc"]["frozen"] is True and min(frozen_during) > 0 and gc.get_freeze_count() == 0

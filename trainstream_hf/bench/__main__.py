@@ -39,8 +39,14 @@ def main(argv=None) -> None:
     peers.add_argument("--peers", default=None, help="comma-separated subset of: bandwidth,peft,peft_ckpt,"
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); quant: bf16,bnb_nf4,int8,nf4,fp8,"
                        "fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() before each row's timed steps (every row alike); rows always report their "
+                             "Python GC collections and pause time (python_gc)")
     args = parser.parse_args(argv)
     common.ARGV = list(argv) if argv is not None else None  # the JSON's "command"
+    if args.gc_freeze:
+        from trainstream_hf.bench import harness
+        harness.GC_FREEZE = True
     if args.suite == "micro":
         from trainstream_hf.bench import micro
         payload, md = micro.run(quick=args.quick)

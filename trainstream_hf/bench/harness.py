@@ -59,6 +59,37 @@ def is_oom(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and ("out of memory" in str(err).lower() or "ALLOC_FAILED" in str(err)))
 
 
+# ``--gc-freeze``: move every object alive after warm-up out of the cyclic GC's reach for the timed steps (for every
+# row alike), so a full collection over the model's Python objects cannot land in a timed step.
+GC_FREEZE = False
+
+
+@contextlib.contextmanager
+def python_gc_counted(row: dict, *, freeze: bool = False):
+    """Counts Python's cyclic GC collections per generation, and their pause time, into ``row["python_gc"]``;
+    with ``freeze``, ``gc.freeze()`` first (``gc.unfreeze()`` after)."""
+    counts, t = {"collections": [0, 0, 0], "seconds": 0.0, "frozen": freeze}, [None]
+
+    def callback(phase, info):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        elif t[0] is not None:
+            counts["collections"][info["generation"]] += 1
+            counts["seconds"] += time.perf_counter() - t[0]
+
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    gc.callbacks.append(callback)
+    try:
+        yield counts
+    finally:
+        gc.callbacks.remove(callback)
+        if freeze:
+            gc.unfreeze()
+        row["python_gc"] = counts
+
+
 def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callable[[], None]]]], *,
                      device: torch.device, warmup: int = 3, repeats: int = 10,
                      vram_budget: Optional[int] = None, build: Optional[Callable[[], object]] = None,
@@ -101,7 +132,8 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
-            out["step_s"] = median_time(step, repeats=repeats, warmup=0, cuda=cuda)
+            with python_gc_counted(out, freeze=GC_FREEZE):
+                out["step_s"] = median_time(step, repeats=repeats, warmup=0, cuda=cuda)
             out["tokens_per_s"] = tokens / out["step_s"] if tokens else None
     except Exception as err:  # noqa: BLE001 - an OOM is a result; anything else propagates
         if not is_oom(err):
