@@ -191,7 +191,8 @@ class Plan:
         mib = 2**20
         lines = [f"TrainStream plan: budget {self.budget / GiB:.2f} GiB, predicted peak "
                  f"{self.predicted_peak() / GiB:.2f} GiB, {self.slots} weight slots, prefetch {self.prefetch}, "
-                 f"gradients on {self.grads}, {len(self.recomputed_blocks)} blocks recomputed, optimizer state of {len(self.offload_optimizer)} parameters "
+                 f"gradients on {self.grads}, {len(self.recomputed_blocks)} blocks recomputed, optimizer state of "
+                 f"{len(self.offload_optimizer)} parameters "
                  f"({self.offload_numel / 1e6:.1f} M) in host RAM",
                  "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |",
                  "|---|---|---|---|---|---|---|"]

@@ -332,7 +332,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     if dp_group is not None and config.grads == "auto":
         config = replace(config, grads="device")
     if config.outliers and config.quantize is None:
-        raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: set quantize too")
+        raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: "
+                         "set quantize too")
     if config.quantize is not None:
         # The frozen linear layers (a PEFT model's base; never a trainable layer or the output head) are packed in
         # place, one at a time, before the plan measures anything. This is not undone if wrap fails later.
@@ -388,8 +389,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             arena.reserve(max(0, pl.host_bytes() - in_host))
         elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
             arena.close()
-            raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the plan "
-                             f"puts {pl.host_bytes()} bytes in host RAM; raise host_arena, use 'auto', or set "
+            raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the "
+                             f"plan puts {pl.host_bytes()} bytes in host RAM; raise host_arena, use 'auto', or set "
                              "pageable_fallback=True")
     except BaseException:
         if casts is not None:

@@ -203,8 +203,8 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
     Args:
         *args, **kwargs: as for ``GRPOTrainer``.
         trainstream_config: when given (or when ``args`` is a :class:`TrainStreamGRPOConfig` that turns the engine
-            on), the engine is installed when the optimizer is created (``EngineTrainerMixin``) and its figures are logged as
-            ``trainstream/*``.
+            on), the engine is installed when the optimizer is created (``EngineTrainerMixin``) and its figures
+            are logged as ``trainstream/*``.
         ref_chunk_tokens: completion tokens per LM-head chunk in the reference pass; bounds its largest
             intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
 
