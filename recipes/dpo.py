@@ -18,7 +18,7 @@ from trl import DPOConfig as TRLDPOConfig
 
 from trainstream_hf.integrations.trl import TrainStreamDPOTrainer
 from trainstream_hf.train import align, data, evaluate, model as models, report
-from trainstream_hf.train.config import ConfigError
+from trainstream_hf.train.config import run_cli
 from trainstream_hf.train.schema import DPOConfig
 
 SHOWN = {"loss": "loss", "rewards/accuracies": "acc", "rewards/margins": "margin"}
@@ -77,8 +77,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        # A bad option or a missing input: the message names it; a traceback would only bury it.
-        raise SystemExit(f"recipes/dpo.py: error: {e}") from None
+    run_cli(main, "recipes/dpo.py")

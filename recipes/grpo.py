@@ -20,7 +20,7 @@ from trl import GRPOConfig as TRLGRPOConfig
 
 from trainstream_hf.integrations.trl import TrainStreamGRPOTrainer
 from trainstream_hf.train import align, data, evaluate, model as models, report, rewards
-from trainstream_hf.train.config import ConfigError
+from trainstream_hf.train.config import run_cli
 from trainstream_hf.train.schema import GRPOConfig
 
 SHOWN = {"reward": "reward", "completions/mean_length": "length", "kl": "kl"}
@@ -76,8 +76,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        # A bad option or a missing input: the message names it; a traceback would only bury it.
-        raise SystemExit(f"recipes/grpo.py: error: {e}") from None
+    run_cli(main, "recipes/grpo.py")

@@ -26,7 +26,7 @@ from transformers import get_scheduler
 
 import trainstream_hf
 from trainstream_hf.train import data, evaluate, model as models, report
-from trainstream_hf.train.config import ConfigError, parse_args, to_dict
+from trainstream_hf.train.config import parse_args, run_cli, to_dict
 from trainstream_hf.train.schema import SFTConfig
 
 
@@ -132,8 +132,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        # A bad option or a missing input: the message names it; a traceback would only bury it.
-        raise SystemExit(f"recipes/sft.py: error: {e}") from None
+    run_cli(main, "recipes/sft.py")

@@ -1,6 +1,11 @@
 """Shared test settings."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -39,3 +44,17 @@ def _train_side_by_side(ref, model, ref_opt, opt, batches):
 def train_side_by_side():
     """The bit-exactness loop many tests share (see :func:`_train_side_by_side`)."""
     return _train_side_by_side
+
+
+@pytest.fixture
+def recipe(monkeypatch):
+    """``recipe("sft")`` is ``recipes/sft.py``'s ``main``, run from the repository root (the configs' paths are
+    relative to it)."""
+    monkeypatch.chdir(ROOT)
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main
+    return load

@@ -1,5 +1,4 @@
 """recipes/dpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
-import importlib.util
 import json
 import math
 import subprocess
@@ -17,12 +16,8 @@ SMALL = ["--train.batch_size", "8", "--train.warmup_steps", "2", "--train.log_ev
 
 
 @pytest.fixture
-def dpo(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
-    spec = importlib.util.spec_from_file_location("recipe_dpo", ROOT / "recipes" / "dpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+def dpo(recipe):
+    return recipe("dpo")
 
 
 def test_dpo_trains_through_the_engine_and_writes_the_summary(dpo, tmp_path):

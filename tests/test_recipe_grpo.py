@@ -1,5 +1,4 @@
 """recipes/grpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,12 +17,8 @@ SMALL = ["--train.batch_size", "16", "--train.warmup_steps", "1", "--train.log_e
 
 
 @pytest.fixture
-def grpo(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
-    spec = importlib.util.spec_from_file_location("recipe_grpo", ROOT / "recipes" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+def grpo(recipe):
+    return recipe("grpo")
 
 
 def test_grpo_trains_through_the_engine_and_writes_the_summary(grpo, tmp_path):

@@ -14,12 +14,8 @@ SMALL = ["--train.batch_size", "16", "--train.warmup_steps", "2", "--train.log_e
 
 
 @pytest.fixture
-def sft(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
-    spec = importlib.util.spec_from_file_location("recipe_sft", ROOT / "recipes" / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+def sft(recipe):
+    return recipe("sft")
 
 
 def test_sft_trains_through_the_engine_and_writes_the_summary(sft, tmp_path):

@@ -7,10 +7,8 @@ AdamW. ``unwrap`` takes it all out again and leaves an ordinary model holding th
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
-import weakref
 from dataclasses import replace
 
 import torch
@@ -22,6 +20,7 @@ from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.casts import CastSources
+from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import chunked_causal_lm_loss
 from trainstream_hf.engine.blocks import find_blocks
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
@@ -94,28 +93,9 @@ class Engine:
         self.timeline = Timeline(streams.device, trace_path) if (trace_path or config.timeline) else None
         streams.timeline = self.timeline
         hooks.add(_StepClock(self))
-        # Python's cyclic GC pauses the thread that launches the GPU work; a full (generation 2) pass over a large
-        # heap takes tens to hundreds of ms. Counted per step so a slow step can be told apart from a slow GPU.
-        self._gc = {"collections": [0, 0, 0], "seconds": 0.0, "t": None}
-        on_gc = weakref.WeakMethod(self._on_gc)  # gc.callbacks must not keep a dropped model's engine alive
-
-        def gc_callback(phase, info):
-            method = on_gc()
-            if method is not None:
-                method(phase, info)
-
-        self._gc_callback = gc_callback
-        gc.callbacks.append(gc_callback)
+        self._gc = GcPauses().start()  # Python GC pauses per step (engine/gcstats.py)
 
     # -- statistics -------------------------------------------------------------------------------
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc["t"] = time.perf_counter()
-        elif self._gc["t"] is not None:
-            self._gc["collections"][info["generation"]] += 1
-            self._gc["seconds"] += time.perf_counter() - self._gc["t"]
-            self._gc["t"] = None
-
     def _begin_step(self) -> None:
         now = time.perf_counter()
         if self._t0 is not None:
@@ -123,7 +103,7 @@ class Engine:
                 return  # the window is the optimizer step: further micro-batches belong to it
             self._close_step(now)
         self._t0 = now
-        self._gc.update(collections=[0, 0, 0], seconds=0.0)
+        self._gc.take()
         if self.streams.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.streams.device)
         if self.timeline is not None:
@@ -147,8 +127,7 @@ class Engine:
             s["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.streams.device)
             s["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.streams.device)
         s["overlap"] = None  # measured only with the timeline on (it costs a host sync per step)
-        s["python_gc"] = {"collections": list(self._gc["collections"]), "seconds": self._gc["seconds"]}
-        self._gc.update(collections=[0, 0, 0], seconds=0.0)
+        s["python_gc"] = self._gc.take()
         if self.timeline is not None:
             fig = self.timeline.close_step(self.steps)
             s.update({k: v for k, v in fig.items()})
@@ -226,8 +205,7 @@ class Engine:
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        if self._gc_callback in gc.callbacks:
-            gc.callbacks.remove(self._gc_callback)
+        self._gc.stop()
         self._restore_recompute()
         self.hooks.remove()
         self.streams.timeline = None

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from trainstream_hf.bench.common import median_time
+from trainstream_hf.engine.gcstats import GcPauses
 
 Step = Callable[[], None]
 
@@ -68,26 +69,17 @@ GC_FREEZE = False
 def python_gc_counted(row: dict, *, freeze: bool = False):
     """Counts Python's cyclic GC collections per generation, and their pause time, into ``row["python_gc"]``;
     with ``freeze``, ``gc.freeze()`` first (``gc.unfreeze()`` after)."""
-    counts, t = {"collections": [0, 0, 0], "seconds": 0.0, "frozen": freeze}, [None]
-
-    def callback(phase, info):
-        if phase == "start":
-            t[0] = time.perf_counter()
-        elif t[0] is not None:
-            counts["collections"][info["generation"]] += 1
-            counts["seconds"] += time.perf_counter() - t[0]
-
     if freeze:
         gc.collect()
         gc.freeze()
-    gc.callbacks.append(callback)
+    pauses = GcPauses().start()
     try:
-        yield counts
+        yield pauses
     finally:
-        gc.callbacks.remove(callback)
+        pauses.stop()
         if freeze:
             gc.unfreeze()
-        row["python_gc"] = counts
+        row["python_gc"] = {**pauses.take(), "frozen": freeze}
 
 
 def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callable[[], None]]]], *,

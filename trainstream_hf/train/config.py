@@ -267,3 +267,12 @@ def help_text(cls: type, description: str = "") -> str:
         defaults = None
     walk(cls, "", defaults)
     return "\n".join(lines).strip()
+
+
+def run_cli(main, prog: str) -> None:
+    """A recipe's ``__main__``: runs ``main()``; a bad option or a missing input exits with its message (naming it),
+    not a traceback that would only bury it."""
+    try:
+        main()
+    except (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
