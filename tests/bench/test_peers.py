@@ -203,14 +203,32 @@ def test_extra_jobs_join_the_table_with_ratios():
 
 def test_engine_quick_runs_trainstream_beside_peers(tmp_path, capsys):
     main(["engine", "--quick", "--seq", "16", "--repeats", "2",
-          "--peers", "peft,ts_lora,ts_full,ts_paged", "--out", str(tmp_path), "--name", "e"])
+          "--peers", "peft,ts_lora,ts_nf4,ts_full,ts_paged", "--out", str(tmp_path), "--name", "e"])
     data = json.loads((tmp_path / "e.json").read_text())
     rows = {r["key"]: r for r in data["results"]}
-    assert data["suite"] == "engine" and set(rows) == {"peft", "ts_lora", "ts_full", "ts_paged"}
-    for key in ("ts_lora", "ts_full", "ts_paged"):
+    assert data["suite"] == "engine" and set(rows) == {"peft", "ts_lora", "ts_nf4", "ts_full", "ts_paged"}
+    assert "partial" not in data  # the final write replaces the per-row ones
+    for key in ("ts_lora", "ts_nf4", "ts_full", "ts_paged"):
         assert rows[key]["status"] == "ok" and rows[key]["step_s"] > 0, rows[key]
         assert rows[key]["predicted_peak"] > 0 and "engine_stats" in rows[key]
     assert rows["ts_full"]["offloaded_optimizer_params"] > 0
+    assert rows["ts_nf4"]["peer"] == "trainstream_nf4" and "nf4" in rows["ts_nf4"]["name"]
+
+
+def test_each_row_reaches_the_json_as_it_is_measured(tmp_path):
+    """A run cut short (a time limit on the GPU machine) keeps the rows it measured: ``on_row`` gets the payload
+    after every row, marked partial."""
+    seen = []
+
+    def job(step_s):
+        def fn(shape, full_shape, budget, kw):
+            return {"name": f"job {step_s}", "step_s": step_s, "status": "ok", "max_allocated": None,
+                    "max_reserved": None}
+        return fn
+
+    peers.run(quick=True, peers=["a", "b"], extra_jobs={"a": ("lora", job(0.25)), "b": ("lora", job(0.5))},
+              on_row=lambda p: seen.append((p["partial"], [r["key"] for r in p["results"]])))
+    assert seen == [(True, ["a"]), (True, ["a", "b"])]
 
 
 def test_harness_counts_python_gc_and_can_freeze(monkeypatch):

@@ -47,6 +47,14 @@ def main(argv=None) -> None:
     if args.gc_freeze:
         from trainstream_hf.bench import harness
         harness.GC_FREEZE = True
+    where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
+        if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
+    suite = "sqnr-minilm" if args.suite == "sqnr" else args.suite
+    name = args.name or f"{suite}-{where}{'-quick' if args.quick else ''}"
+
+    def on_row(partial: dict) -> None:  # each measured row reaches the JSON at once (a timed-out run keeps it)
+        common.write_json(name, partial, args.out)
+
     if args.suite == "micro":
         from trainstream_hf.bench import micro
         payload, md = micro.run(quick=args.quick)
@@ -60,7 +68,8 @@ def main(argv=None) -> None:
         payload, md = peers_suite.run(
             quick=args.quick, shape=args.shape, full_shape=args.full_shape, batch=args.batch, seq=args.seq,
             warmup=args.warmup, repeats=args.repeats, vram_budget_gib=args.vram_budget_gib,
-            peers=args.peers.split(",") if args.peers else None, extra_jobs=extra, suite=args.suite)
+            peers=args.peers.split(",") if args.peers else None, extra_jobs=extra, suite=args.suite,
+            on_row=on_row)
     elif args.suite == "quant":
         from trainstream_hf.bench import quant
         payload, md = quant.run(shape=args.shape, seq=args.seq, warmup=args.warmup, repeats=args.repeats,
@@ -68,10 +77,6 @@ def main(argv=None) -> None:
     elif args.suite == "sqnr":
         from trainstream_hf.bench import sqnr
         payload, md = sqnr.run()
-    where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
-        if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
-    suite = "sqnr-minilm" if args.suite == "sqnr" else args.suite
-    name = args.name or f"{suite}-{where}{'-quick' if args.quick else ''}"
     path = common.write_json(name, payload, args.out)
     print(md)
     print(f"\nJSON: {path}")

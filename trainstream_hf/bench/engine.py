@@ -11,10 +11,10 @@ import torch
 
 import trainstream_hf as ts
 from trainstream_hf.bench.harness import measure_training
-from trainstream_hf.bench.models import build_model
+from trainstream_hf.bench.models import build_model, model_config
 from trainstream_hf.bench.peers import LORA, _batch, _common, _plain_step
 
-__all__ = ["trainstream_lora", "trainstream_full", "trainstream_paged", "JOBS"]
+__all__ = ["trainstream_lora", "trainstream_quant", "trainstream_full", "trainstream_paged", "JOBS"]
 
 
 def _engine_fields(model, fields: dict) -> None:
@@ -55,6 +55,18 @@ def _lora_model(shape: str, build_device, seed: int):
     return get_peft_model(build_model(shape, torch.bfloat16, build_device, seed), LoraConfig(**LORA))
 
 
+def _built_in_place(shape: str, device: torch.device, seed: int, *, home, quantize: Optional[str] = None):
+    """A random-weight bf16 model of ``shape`` built the way the recipes build one: piece by piece, each decoder
+    block initialised on ``device`` (transformers' ``_init_weights``), packed when ``quantize`` is set, then moved
+    to ``home`` (see :func:`trainstream_hf.train.model.materialize`). On a GPU, far faster than initialising a 32B
+    model on the CPU, and never more than one dense block on the device."""
+    from trainstream_hf.train.model import materialize, skeleton
+
+    torch.manual_seed(seed)
+    model = materialize(skeleton(model_config(shape), torch.bfloat16), device=device, home=home, quantize=quantize)
+    return model.train()
+
+
 def trainstream_lora(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
                      seq: int = 2048, warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
                      **options) -> dict:
@@ -64,6 +76,28 @@ def trainstream_lora(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 *
 
     def build():
         model = _lora_model(shape, device, seed)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                                        fused=device.type == "cuda")
+
+    return _measure_wrapped(name, fields, device, build, shape=shape, batch=batch, seq=seq, seed=seed,
+                            warmup=warmup, repeats=repeats, vram_budget=vram_budget, **options)
+
+
+def trainstream_quant(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 * 2**30, *, quantize: str = "nf4",
+                      batch: int = 1, seq: int = 2048, warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
+                      **options) -> dict:
+    """A quantized base (``quantize``, packed as it is built; ``lm_head`` stays bf16) + LoRA r16 on all linear
+    layers (the recipes' adapter: :func:`trainstream_hf.train.model.add_lora`), wrapped with ``vram_budget``; the
+    loop is the peers'. The row to set beside bitsandbytes' QLoRA (``bnb``, ``bnb_ckpt``) in one run."""
+    from trainstream_hf.train.model import add_lora
+
+    device, fields = _common(f"trainstream_{quantize}", shape, False, batch, seq, device)
+    name = f"trainstream {quantize} + LoRA r16, budget {vram_budget / 2**30:.0f} GiB" if vram_budget \
+        else f"trainstream {quantize} + LoRA r16"
+
+    def build():
+        model = add_lora(_built_in_place(shape, device, seed, home=device, quantize=quantize), r=LORA["r"],
+                         alpha=LORA["lora_alpha"], dropout=LORA["lora_dropout"], target_modules=LORA["target_modules"])
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                                         fused=device.type == "cuda")
 
@@ -99,7 +133,12 @@ def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 2
     name = f"trainstream bf16 paged + LoRA r16, budget {vram_budget / 2**30:.0f} GiB"
 
     def build():
-        model = _lora_model(shape, "cpu", seed)
+        from peft import LoraConfig, get_peft_model
+
+        # on a GPU each block is initialised there and moved to host RAM; on a CPU, built in place
+        base = _built_in_place(shape, device, seed, home="cpu") if device.type == "cuda" \
+            else build_model(shape, torch.bfloat16, "cpu", seed)
+        model = get_peft_model(base, LoraConfig(**LORA))
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     return _measure_wrapped(name, fields, device, build, shape=shape, batch=batch, seq=seq, seed=seed,
@@ -109,6 +148,7 @@ def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 2
 # key -> (group, function(shape, full_shape, budget, kw)) for the engine suite
 JOBS = {
     "ts_lora": ("lora", lambda shape, full_shape, budget, kw: trainstream_lora(shape, budget, **kw)),
+    "ts_nf4": ("lora", lambda shape, full_shape, budget, kw: trainstream_quant(shape, budget, quantize="nf4", **kw)),
     "ts_full": ("full", lambda shape, full_shape, budget, kw: trainstream_full(full_shape, budget, **kw)),
     # the same with device gradients (the Trainer's setting: its clipping needs them), overlapped and serial steps
     "ts_full_devgrads": ("full", lambda shape, full_shape, budget, kw: trainstream_full(

@@ -450,7 +450,7 @@ def offload_bounds(numel: int, bandwidth: dict, adamw_s: Optional[float]) -> dic
 def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[str] = None, batch: int = 1,
         seq: Optional[int] = None, warmup: Optional[int] = None, repeats: Optional[int] = None,
         vram_budget_gib: Optional[float] = 24.0, peers=None, extra_jobs: Optional[dict] = None,
-        suite: str = "peers") -> tuple[dict, str]:
+        suite: str = "peers", on_row: Optional[Callable[[dict], None]] = None) -> tuple[dict, str]:
     """Runs the peers side by side; returns (JSON payload, markdown report).
 
     Args:
@@ -464,6 +464,8 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
         extra_jobs: more rows for the same table, ``key -> (group, fn(shape, full_shape, budget, kw))``
             with ``kw`` = batch, seq, warmup, repeats (how the trainstream side joins the run).
         suite: the payload's ``suite`` field.
+        on_row: called after each row with the payload so far (rows under ``results``, ``partial: True``), so a
+            run cut short by a time limit keeps the rows it measured.
 
     Returns:
         ``(payload, markdown)``: rows under ``results`` (each with ``group``, ``key`` and ``x_first``, the
@@ -502,8 +504,10 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
     rows = []
     for key in (k for k in known if k in chosen and k in jobs):
         group, fn = jobs[key]
-        print(f"[{suite}] {key} ...", file=sys.stderr, flush=True)
+        print(f"[{suite}] {time.strftime('%H:%M:%S')} {key} ...", file=sys.stderr, flush=True)
         rows.append({"group": group, "key": key, **_guarded(key, fn)})
+        if on_row is not None:
+            on_row({**payload, "results": list(rows), "partial": True})
     groups = list(dict.fromkeys(r["group"] for r in rows))
     payload["results"] = rows = sorted(rows, key=lambda r: groups.index(r["group"]))  # stable: run order
     adamw = next((r for r in rows if r["key"] == "cpu_adamw" and r["status"] == "ok"), None)
