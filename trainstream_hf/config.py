@@ -100,6 +100,14 @@ class TrainStreamConfig:
         "help": "optimizer.step() returns at once and the CPU AdamW runs while the next forward starts, each "
                 "block waiting for its own new weights: 'auto' (on CUDA, unless weights are paged and "
                 "trainable), True or False."})
+    optimizer_in_backward: bool = field(default=False, metadata={
+        "help": "Start each offloaded parameter's CPU AdamW update in backward, as soon as its gradient has left for "
+                "the host, instead of at optimizer.step() (torchtune's optimizer_in_bwd): the same numbers, the CPU "
+                "step overlapping backward. Needs host gradients ('auto' becomes 'host') and the worker thread "
+                "(overlap_step 'auto' becomes True, on the CPU too); not with offload_optimizer=False, paged "
+                "trainable weights or several processes (DDP). The gradients are consumed in backward, so no "
+                "gradient clipping (set the Trainer's max_grad_norm=0), no gradient accumulation and no skipped "
+                "steps (GradScaler): each raises. Without offloaded optimizer state it does nothing."})
     data_parallel: str | bool = field(default="auto", metadata={
         "help": "Replicas trained with DistributedDataParallel, one per process (wrap first, then DDP): 'auto' (when "
                 "torch.distributed is initialized with more than one process), True or False. Then gradients stay on "
@@ -156,6 +164,17 @@ class TrainStreamConfig:
         parse_bytes(self.min_activation_bytes, name="min_activation_bytes")
         if not isinstance(self.min_offload_numel, int) or self.min_offload_numel < 0:
             raise ValueError(f"min_offload_numel: an int >= 0, got {self.min_offload_numel!r}")
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise ValueError(f"optimizer_in_backward: True or False, got {self.optimizer_in_backward!r}")
+        if self.optimizer_in_backward:
+            clash = [f"{name}={getattr(self, name)!r}" for name, bad in (
+                ("grads", self.grads == "device"), ("overlap_step", self.overlap_step is False),
+                ("offload_optimizer", self.offload_optimizer is False)) if bad]
+            if clash:
+                raise ValueError(f"optimizer_in_backward=True updates offloaded parameters from backward's gradient "
+                                 f"hooks on the step's worker thread: it needs host gradients, the overlapped step "
+                                 f"and offloaded optimizer state, but {', '.join(clash)}; leave them 'auto' (or "
+                                 "grads='host', overlap_step=True, offload_optimizer=True) or turn it off")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -291,7 +291,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     Raises:
         RuntimeError: the model is already wrapped.
         ValueError: (several processes) the model is already inside DistributedDataParallel, ``grads="host"``,
-            trainable paged weights, or the processes planned differently (``engine/distributed.py``).
+            ``optimizer_in_backward``, trainable paged weights, or the processes planned differently
+            (``engine/distributed.py``); ``optimizer_in_backward`` with paged trainable weights.
         BudgetError: the model cannot be trained within ``vram_budget``.
         HostMemoryError: the host cannot hold what the plan puts there (checked before pinning).
     """
@@ -307,8 +308,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                              "build it from this model's parameters (e.g. model.parameters())")
     # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
     dp_group = data_parallel.process_group(config.data_parallel, config.grads)
+    if dp_group is not None and config.optimizer_in_backward:
+        raise ValueError("optimizer_in_backward cannot be used with several processes (DistributedDataParallel): it "
+                         "needs host gradients, which DDP's reducer would never see (engine/distributed.py); turn it "
+                         "off (or data_parallel=False if the processes train independent models)")
     if dp_group is not None and config.grads == "auto":
         config = replace(config, grads="device")
+    if config.optimizer_in_backward and config.grads == "auto":
+        config = replace(config, grads="host")  # the updates start from the host-mode gradient hook
     if config.outliers and config.quantize is None:
         raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: "
                          "set quantize too")
@@ -416,9 +423,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 pl.grads = grads_mode
                 overlap = config.overlap_step
                 if overlap == "auto":
-                    overlap = streams.is_cuda and not sinks
+                    # in backward, the updates run on the step's worker thread on the CPU device too
+                    overlap = (streams.is_cuda or config.optimizer_in_backward) and not sinks
                 new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=grads_mode,
-                                         param_sink=sinks, overlap_step=bool(overlap))
+                                         param_sink=sinks, overlap_step=bool(overlap),
+                                         optimizer_in_backward=config.optimizer_in_backward)
     except BaseException:
         # Nothing half-installed survives a failed wrap: the model goes back to how it came in.
         if pager is not None:

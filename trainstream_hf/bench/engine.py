@@ -155,6 +155,9 @@ JOBS = {
         full_shape, budget, grads="device", name_suffix=", device grads", **kw)),
     "ts_full_serial": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, grads="device", overlap_step=False, name_suffix=", device grads, serial step", **kw)),
+    # each CPU AdamW update starts from backward's gradient hook instead of at step()
+    "ts_full_inbwd": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, grads="host", optimizer_in_backward=True, name_suffix=", optimizer in backward", **kw)),
     # the 32B shape is fixed: it is the "larger than the GPU budget" case of issue 3
     "ts_paged": ("paged", lambda shape, full_shape, budget, kw: trainstream_paged(
         "tiny" if shape == "tiny" else "qwen2.5-32b", budget,

@@ -16,10 +16,14 @@ Two modes, chosen per optimizer (``OffloadedAdamW(grads=...)``):
   ring of staging buffers and added when its ring slot comes round again (by then the copy has long
   finished) or when the step needs the sums. Folding is first-in first-out, so every parameter's sum is
   taken in the order autograd produced the terms, as torch's in-place accumulation does.
+
+With ``single_term=True`` (the optimizer's ``optimizer_in_backward``) each parameter takes exactly one gradient per
+step: every gradient, fp16 included, is copied as it is into a host buffer of its own dtype and the ring is never
+used, so :meth:`HostGradients.take` of one parameter may run on another thread while backward fills the others.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -63,16 +67,22 @@ class HostGradients:
             when it reuses a slot whose copy, issued ``staging_slots`` hooks earlier, is still running.
         shapes: the true shape of parameters whose ``data`` may be an empty placeholder (paged weights);
             default ``p.shape``.
+        single_term: host mode: at most one gradient per parameter between two :meth:`consume` calls (the
+            caller enforces it; a second one raises), never staged (see the module docstring).
+        hook: host mode: called with ``p`` by the post-accumulate-grad hook instead of :meth:`add`; it must
+            call :meth:`add` itself (the optimizer's ``optimizer_in_backward`` queues the update after it).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, arena: HostArena, streams: TransferStreams,
                  mode: str = "device", staging_slots: int = 4,
-                 shapes: Mapping[nn.Parameter, torch.Size] | None = None):
+                 shapes: Mapping[nn.Parameter, torch.Size] | None = None, single_term: bool = False,
+                 hook: Callable[[nn.Parameter], None] | None = None):
         if mode not in GRAD_MODES:
             raise ValueError(f"grads must be one of {GRAD_MODES}, got {mode!r}")
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.mode = mode
+        self.single_term = bool(single_term)
         self.arena = arena
         self.streams = streams
         self.d2h_bytes = 0
@@ -81,8 +91,8 @@ class HostGradients:
         # device mode copies the gradient as it is (the kernel reads bf16 directly); host mode sums in fp32
         self._bufs = {p: _GradBuffer(arena.empty([self._shapes[p].numel()],
                                                  p.dtype if mode == "device" else torch.float32),
-                                     arena.empty([self._shapes[p].numel()], torch.bfloat16)
-                                     if mode == "host" and p.dtype == torch.bfloat16 else None)
+                                     arena.empty([self._shapes[p].numel()], p.dtype)
+                                     if self._low_dtype(p, mode, self.single_term) else None)
                       for p in self._params}
         self._ring_bytes = max((self._shapes[p].numel() * p.element_size() for p in self._params), default=0)
         self._ring: list[torch.Tensor] = []  # allocated on first use: not every run accumulates
@@ -91,13 +101,18 @@ class HostGradients:
         self._next = 0
         self._hooks = []
         if mode == "host":
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+            self._hooks = [p.register_post_accumulate_grad_hook(hook or self._on_grad) for p in self._params]
 
     @staticmethod
-    def host_bytes_needed(numels: Mapping[nn.Parameter, int], mode: str) -> list[int]:
+    def _low_dtype(p: nn.Parameter, mode: str, single_term: bool) -> bool:
+        """Whether ``p`` gets a host buffer of its own dtype for an unconverted first term (host mode)."""
+        return mode == "host" and (p.dtype == torch.bfloat16 or (single_term and p.dtype == torch.float16))
+
+    @staticmethod
+    def host_bytes_needed(numels: Mapping[nn.Parameter, int], mode: str, single_term: bool = False) -> list[int]:
         """Byte counts of the buffers the constructor allocates (for ``HostArena.reserve_for``)."""
         return [n * (p.element_size() if mode == "device" else 4) for p, n in numels.items()] + \
-            [2 * n for p, n in numels.items() if mode == "host" and p.dtype == torch.bfloat16]
+            [2 * n for p, n in numels.items() if HostGradients._low_dtype(p, mode, single_term)]
 
     # -- validation -----------------------------------------------------------------------------
     def check(self, p: nn.Parameter, grad: torch.Tensor) -> None:
@@ -136,17 +151,26 @@ class HostGradients:
             else:
                 self._on_grad(p)
 
+    def add(self, p: nn.Parameter) -> None:
+        """Host mode: issues the copy of ``p.grad`` to the host (added to its sum) and sets ``p.grad = None``,
+        as the post-accumulate-grad hook does. Never waits for the copy."""
+        self._on_grad(p)
+
     def _on_grad(self, p: nn.Parameter) -> None:
         grad = p.grad
         if grad is None:
             return
         self.check(p, grad)
         buf = self._bufs[p]
-        if not buf.filled and (grad.dtype == torch.float32 or (grad.dtype == torch.bfloat16 and buf.low is not None)):
-            # first term: copy straight into the fp32 accumulator or the bf16 buffer, no staging, no conversion
-            buf.in_low = grad.dtype == torch.bfloat16
+        low = buf.low is not None and grad.dtype == buf.low.dtype
+        if not buf.filled and (grad.dtype == torch.float32 or low):
+            # first term: copy straight into the fp32 accumulator or the low buffer, no staging, no conversion
+            buf.in_low = low
             buf.transfer = self._copy(grad, buf.low if buf.in_low else buf.host)
             buf.filled = True
+        elif self.single_term:
+            raise RuntimeError(f"HostGradients(single_term=True): a {'second ' if buf.filled else ''}{grad.dtype} "
+                               f"gradient for a {p.dtype} parameter cannot be taken without staging")
         else:
             self._widen(buf)
             i = self._next
@@ -192,7 +216,8 @@ class HostGradients:
 
         The caller may modify it in place: it is consumed by the step.
         """
-        self._drain()
+        if not self.single_term:  # single-term gradients are never staged (and this may run off the hook thread)
+            self._drain()
         buf = self._bufs[p]
         if not buf.filled:
             return None

@@ -12,6 +12,14 @@ One step on CUDA (the device work of the next forward only waits where it must):
     H2D   |                                                   p0 ........          p1 ........
     main  | ... backward | device opt kernels | (waits for H2D stream) next forward
 
+With ``optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``) each parameter's CPU update is queued on the
+worker as soon as its gradient's copy has been issued, in backward, so the CPU AdamW overlaps the rest of backward
+and its copies instead of starting at ``step()``::
+
+    main  | backward: ... block 2, hook(p2) | block 1, hook(p1) | ... | step(): device opt, bookkeeping (queued)
+    D2H   |                g2                  g1
+    work  |                  wait g2, adam p2, issue H2D p2 | wait g1, adam p1, ...
+
 The object *is* a ``torch.optim.Optimizer`` sharing the user's param-group dicts, so LR schedulers,
 ``state_dict()`` consumers and Trainer code treat it as the optimizer it wraps.
 """
@@ -121,12 +129,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
             consumer must call :meth:`wait_for` before a parameter is used (``wrap`` installs hooks that do)
             and :meth:`synchronize` before reading weights on the host. Not with ``param_sink`` (a pager
             would copy a sink before the thread writes it).
+        optimizer_in_backward: needs ``grads="host"`` and ``overlap_step``, not ``param_sink``. The hook that
+            moves an offloaded parameter's gradient to the host also queues its update on the worker thread (with
+            the group's hyper-parameters at that moment: a scheduler steps after ``step()``, so they are this
+            step's), which waits for the copy; ``step()`` then steps the device parameters and queues the
+            bookkeeping. The same numbers as without it, but the gradients are consumed in backward, so: no
+            clipping or reading them (:meth:`clip_grad_norm_` and :meth:`host_grads` raise), no gradient
+            accumulation (a second gradient before ``step()`` raises), no skipped steps (``zero_grad()`` after a
+            backward without ``step()`` raises: its updates are applied), and an offloaded parameter's value is
+            undefined between its gradient and the next forward (which waits for it, as with ``overlap_step``).
 
     Raises:
         TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
         ValueError: amsgrad, capturable or differentiable is set; an offloaded parameter is not in
             ``optimizer``, does not require grad, is not floating point, or lives on another device; a sink
-            does not match its parameter.
+            does not match its parameter; ``optimizer_in_backward`` without its requirements.
 
     A step validates every input before it changes anything. If the native kernel itself fails midway (a
     bug, not bad input), the parameters before the failing one are already updated; the error says which.
@@ -135,12 +152,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, offload: Iterable[nn.Parameter], *, arena: HostArena,
                  streams: TransferStreams, grads: str = "device",
                  param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4,
-                 overlap_step: bool = False):
+                 overlap_step: bool = False, optimizer_in_backward: bool = False):
         if type(optimizer) not in _SUPPORTED:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         if grads not in GRAD_MODES:
             raise ValueError(f"grads must be one of {GRAD_MODES}, got {grads!r}")
+        if optimizer_in_backward:
+            if param_sink:
+                raise ValueError("optimizer_in_backward cannot be combined with param_sink (trainable paged weights): "
+                                 "the pager copies a sink ahead of use, before an update in backward would have "
+                                 "written it; do not page trainable weights (page_weights=False, or a larger "
+                                 "vram_budget) or turn optimizer_in_backward off")
+            if grads != "host" or not overlap_step:
+                raise ValueError(f"optimizer_in_backward needs grads='host' and overlap_step=True (the update starts "
+                                 f"from the gradient hook of backward, on the step's worker thread), got "
+                                 f"grads={grads!r}, overlap_step={overlap_step!r}")
         for g in optimizer.param_groups:
             _hyper(type(optimizer), g)
         self._cls = type(optimizer)
@@ -163,7 +190,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             arena.reserve_for([4 * n for n in numel.values() for _ in range(3)]
                               + [n * p.element_size() for p, n in numel.items()
                                  if p not in sinks and p.dtype != torch.float32]
-                              + HostGradients.host_bytes_needed(numel, grads))
+                              + HostGradients.host_bytes_needed(numel, grads, optimizer_in_backward))
         self.arena, self.streams, self.grads_mode = arena, streams, grads
         self._slots = {p: _Slot(p, group_of[p], arena, sinks.get(p)) for p in order}
         self._scratch: torch.Tensor | None = None  # fp32 work buffer for fp16 grads and Adam's L2 term
@@ -173,6 +200,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError("overlap_step cannot be combined with param_sink: paged weights are copied from "
                              "their sinks ahead of use, before an overlapped update would have written them")
         self.overlap_step = bool(overlap_step)
+        self.optimizer_in_backward = bool(optimizer_in_backward)
+        self._in_backward: dict[nn.Parameter, None] = {}  # parameters whose update was queued since the last step
+        self._in_backward_error: tuple[int, BaseException] | None = None
         self._step_order: list[_Slot] | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
@@ -188,7 +218,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._device_opt.state[p] = st
         # last: it registers the host-mode hooks, which must not outlive a constructor that failed
         self._grads = HostGradients(order, arena=arena, streams=streams, mode=grads,
-                                    staging_slots=grad_staging_slots, shapes={p: s.shape for p, s in sinks.items()})
+                                    staging_slots=grad_staging_slots, shapes={p: s.shape for p, s in sinks.items()},
+                                    single_term=self.optimizer_in_backward,
+                                    hook=self._grad_in_backward if self.optimizer_in_backward else None)
         self._sync_state()
         self._ready = True
 
@@ -263,6 +295,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         hyper = [_hyper(self._cls, g) for g in self.param_groups]
         self._grads.check_device_grads()  # nothing below runs on bad input
         t_step = time.perf_counter()
+        if self.optimizer_in_backward:
+            self._step_in_backward(t_step)
+            return loss
         self._h2d_bytes, self._adam_seconds = 0, 0.0
         cuda = self.streams.is_cuda
         compute_done = sink_free = None
@@ -278,19 +313,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # (they would sit beside its activations: measured out of memory on the H200). Wait for the copies;
             # 'host' gradients avoid this wait by leaving during backward.
             self.streams.d2h.synchronize()
+        self._step_device()
+        if self.overlap_step:
+            for slot in self._slots.values():
+                slot.ready.clear()
+            self._pending = self._executor().submit(self._host_steps, hyper, compute_done, sink_free, t_step)
+        else:
+            self._host_steps(hyper, compute_done, sink_free, t_step)
+        return loss
+
+    def _step_device(self) -> None:
         if self._device_opt is not None:
             for g, dg in self._device_groups:
                 dg.update({k: v for k, v in g.items() if k != "params"})
             self._device_opt.step()
-        if self.overlap_step:
-            for slot in self._slots.values():
-                slot.ready.clear()
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="trainstream-adamw")
-            self._pending = self._worker.submit(self._host_steps, hyper, compute_done, sink_free, t_step)
-        else:
-            self._host_steps(hyper, compute_done, sink_free, t_step)
-        return loss
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="trainstream-adamw")
+        return self._worker
 
     def _host_steps(self, hyper, compute_done, sink_free, t_step) -> None:
         """The CPU updates of every offloaded parameter, in order (inline, or on the worker thread)."""
@@ -316,15 +357,84 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if cuda and not self.overlap_step:
                 # the next forward reads the new weights: order it after the copies, without a host sync
                 torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
-            self._grads.consume()
-            self._steps += 1
-            self._last_stats = {
-                # host mode copies during backward, so count from the end of the previous step
-                "step": self._steps, "d2h_bytes": self._grads.d2h_bytes - self._d2h_mark,
-                "h2d_bytes": self._h2d_bytes, "adam_seconds": self._adam_seconds,
-                "step_seconds": time.perf_counter() - t_step}
-            self._d2h_mark = self._grads.d2h_bytes
-            self._sync_state()
+            self._end_step(t_step)
+
+    def _end_step(self, t_step: float) -> None:
+        """Step bookkeeping once every host update of the step is done: gradients consumed, counters, state."""
+        self._grads.consume()
+        self._steps += 1
+        self._last_stats = {
+            # host mode copies during backward, so count from the end of the previous step
+            "step": self._steps, "d2h_bytes": self._grads.d2h_bytes - self._d2h_mark,
+            "h2d_bytes": self._h2d_bytes, "adam_seconds": self._adam_seconds,
+            "step_seconds": time.perf_counter() - t_step}
+        self._d2h_mark = self._grads.d2h_bytes
+        self._h2d_bytes, self._adam_seconds = 0, 0.0  # (in backward, the next step's updates count from here)
+        self._sync_state()
+
+    # -- optimizer in backward ------------------------------------------------------------------
+    def _grad_in_backward(self, p: nn.Parameter) -> None:
+        """The post-accumulate-grad hook with ``optimizer_in_backward``: issues the gradient's copy to the host and
+        queues the parameter's update on the worker thread; never waits for either (it runs on the thread that
+        launches backward's kernels)."""
+        if self._pending is not None:
+            # the previous step's bookkeeping (and its updates) still owns the gradient buffers; wrap's hook at the
+            # end of every forward has normally waited for it already
+            self.synchronize()
+        if p in self._in_backward:
+            raise RuntimeError("OffloadedAdamW(optimizer_in_backward=True): an offloaded parameter received a second "
+                               "gradient before optimizer.step() (gradient accumulation, or a second backward). Its "
+                               "update was already applied from the first one in backward; accumulation needs "
+                               "optimizer_in_backward=False")
+        slot = self._slots[p]
+        h = _hyper(self._cls, self.param_groups[slot.group])  # this step's lr: schedulers step after step()
+        self._grads.add(p)
+        compute_done = None
+        if self.streams.is_cuda:
+            # autograd has run every node that reads p (its gradient is complete), but their kernels are only
+            # queued: the new weight's H2D copy must come after them
+            compute_done = torch.cuda.current_stream(self.streams.device).record_event()
+        self._in_backward[p] = None
+        slot.ready.clear()
+        self._executor().submit(self._update_in_backward, slot, h, compute_done)
+
+    def _update_in_backward(self, slot: _Slot, h: dict, compute_done) -> None:
+        """One parameter's update, on the worker: waits for its gradient's copy, steps it, issues its H2D copy."""
+        try:
+            if self._in_backward_error is None:  # after a failure, the step stops as the ordinary one does
+                grad = self._grads.take(slot.param)
+                if grad is not None:
+                    self._step_slot(slot, grad, h, compute_done)
+        except Exception as e:
+            self._in_backward_error = (next(i for i, q in enumerate(self._slots) if q is slot.param), e)
+        finally:
+            slot.ready.set()
+
+    def _step_in_backward(self, t_step: float) -> None:
+        for p in self._slots:  # gradients that did not come through the hook (assigned by hand): none normally
+            if p.grad is not None:
+                self._grad_in_backward(p)
+        self._in_backward = {}
+        self._step_device()
+        # behind every update queued in backward (one worker, first in first out)
+        self._pending = self._executor().submit(self._finish_in_backward, t_step)
+
+    def _finish_in_backward(self, t_step: float) -> None:
+        error, self._in_backward_error = self._in_backward_error, None
+        try:
+            if error is not None:
+                raise RuntimeError(f"OffloadedAdamW (optimizer_in_backward) failed on offloaded parameter {error[0]} "
+                                   f"of {len(self._slots)}; the offloaded parameters whose update ran before it in "
+                                   "backward and the device parameters were already updated") from error[1]
+        finally:
+            self._end_step(t_step)
+
+    def _drain(self) -> None:
+        """Waits for every queued host update, those of a backward not yet stepped included (``synchronize`` waits
+        only for a stepped one), before the host state is read or written."""
+        if self._worker is not None:
+            self._worker.submit(lambda: None).result()
+        self.synchronize()
 
     # -- overlapped steps -------------------------------------------------------------------------
     def set_step_order(self, params: Iterable[nn.Parameter]) -> None:
@@ -337,7 +447,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def wait_for(self, params: Iterable[nn.Parameter]) -> None:
         """Makes the current stream wait for the new values of ``params`` (offloaded ones; others are
         ignored). Blocks the host only until the worker has issued their copies, never for the copies."""
-        if self._pending is None:
+        if self._pending is None and not self._in_backward:
             return
         for p in params:
             slot = self._slots.get(p)
@@ -347,7 +457,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             h2d = slot.last_h2d
             if h2d is not None and h2d.event is not None:
                 torch.cuda.current_stream(self.streams.device).wait_event(h2d.event)
-        if self._pending.done():
+        if self._pending is not None and self._pending.done():
             self.synchronize()
 
     def synchronize(self) -> None:
@@ -404,7 +514,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
         Returns:
             The total norm before clipping, on the device of the first gradient.
+
+        Raises:
+            RuntimeError: with ``optimizer_in_backward``: the updates were made in backward, before any norm.
         """
+        self._refuse_in_backward("clip_grad_norm_", "clip the gradients")
         self.synchronize()
         host = self._grads.host_grads()
         tensors = [host[p] if p in host else p.grad for g in self.param_groups for p in g["params"]
@@ -423,15 +537,33 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def host_grads(self) -> dict[nn.Parameter, torch.Tensor]:
         """Host gradients of offloaded parameters, in host mode (fp32 views shaped like each parameter;
         scale them in place to change what the step applies). Device mode: empty, see ``p.grad``."""
+        self._refuse_in_backward("host_grads", "read the gradients")
         return {p: g.view(self._slots[p].shape) for p, g in self._grads.host_grads().items()}
 
     clip_grad_norm = clip_grad_norm_  # the name some trainers look for on the optimizer
+
+    def _refuse_in_backward(self, what: str, to: str) -> None:
+        if self.optimizer_in_backward:
+            raise RuntimeError(f"OffloadedAdamW.{what}: with optimizer_in_backward=True each offloaded gradient is "
+                               f"consumed by its parameter's update during backward, before it could be used; to {to}, "
+                               "turn optimizer_in_backward off")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets device gradients as torch does and marks host gradients empty.
 
         Does not wait for an overlapped step (the usual ``step(); zero_grad()`` must not block): its
-        gradients were copied before ``step()`` returned, and it consumes them itself when done."""
+        gradients were copied before ``step()`` returned, and it consumes them itself when done.
+
+        Raises:
+            RuntimeError: with ``optimizer_in_backward``, after a backward whose updates are already applied but
+                not stepped: they cannot be discarded. Nothing changes; ``step()`` still completes the step.
+        """
+        if self._in_backward:
+            raise RuntimeError(f"OffloadedAdamW.zero_grad() after a backward without step(): with "
+                               f"optimizer_in_backward=True the updates of its {len(self._in_backward)} offloaded "
+                               "parameter(s) were already applied during backward and cannot be discarded. Call "
+                               "step() to complete the step, or turn optimizer_in_backward off to drop a backward "
+                               "(e.g. to skip a step on a non-finite loss)")
         super().zero_grad(set_to_none)
         if self._pending is None:
             self._grads.consume()
@@ -443,7 +575,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
         Offloaded entries are CPU views of the live host state, as torch returns live tensors.
         """
-        self.synchronize()
+        self._drain()
         self._sync_state()
         return super().state_dict()
 
@@ -454,7 +586,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         offloaded parameter without 'master' takes its master weight from its current value, so load the
         model weights first.
         """
-        self.synchronize()
+        self._drain()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
@@ -496,14 +628,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- weights --------------------------------------------------------------------------------
     def master_params(self) -> dict[nn.Parameter, torch.Tensor]:
         """The fp32 master weight of each offloaded parameter (a host view shaped like it; live)."""
-        self.synchronize()
+        self._drain()
         return {p: s.master.view(s.shape) for p, s in self._slots.items()}
 
     @torch.no_grad()
     def load_master_from_params(self) -> None:
         """Re-reads every master weight from its parameter (or sink): call after loading model weights
         into an already-wrapped model, or the next step would write the old weights back."""
-        self.synchronize()
+        self._drain()
         for s in self._slots.values():
             s.read_param()
 
