@@ -10,7 +10,9 @@ Paths:
 * ``dequant`` (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): weight-only. ``y = F.linear(x, dequantize(W,
   x.dtype))``: exactly ``nn.Linear`` over the dequantized weight rounded once to the activation dtype (float32,
   bfloat16 or float16), so the matmul accumulates as torch's does for that dtype. ``dequantize`` is one fused native
-  kernel per format on the CPU and on CUDA. Backward ``dx = dy @ dequantize(W, dy.dtype)``.
+  kernel per format on the CPU and on CUDA. Backward ``dx = dy @ dequantize(W, dy.dtype)``. With dequant-ahead on
+  (:mod:`~trainstream_hf.quant.ahead`, off by default) the decode of the next layer's weight is issued on a side CUDA
+  stream under this layer's GEMM; the same kernel on the same bytes, so the same bits.
 * ``fp8_w8a8_scaled_mm`` (fp8, ``act_quant=True``, CUDA sm_89+): FP8 tensor cores through ``torch._scaled_mm`` with
   row-wise scales, forward and backward.
 
@@ -19,9 +21,10 @@ Paths:
     scale_b=s_w (1, N), out_dtype=x.dtype)``, i.e. ``y[t, n] = dtype(s_x[t] * s_w[n] * sum_k x_q[t, k] W_q[n, k])``:
     exact E4M3 products accumulated in float32 (``use_fast_accum=False``, torch's default: the kernels promote the
     tensor cores' partial sums to float32 accumulators rather than keep Hopper's reduced-precision FP8 accumulation),
-    scales applied in the epilogue, one rounding to the activation dtype. Same maths as ``fp8_w8a8_emulated`` below up to summation order and the point
-    where the scales are applied (tests/gpu/test_quant_fp8_cuda.py holds them together). Layers that read the same
-    ``x`` (q / k / v, gate / up) share one ``(x_q, s_x)`` (:func:`quantize_activation`; same bits as quantizing again).
+    scales applied in the epilogue, one rounding to the activation dtype. Same maths as ``fp8_w8a8_emulated`` below up
+    to summation order and the point where the scales are applied (tests/gpu/test_quant_fp8_cuda.py holds them
+    together). Layers that read the same ``x`` (q / k / v, gate / up) share one ``(x_q, s_x)``
+    (:func:`quantize_activation`; same bits as quantizing again).
   - Backward, ``dx[t, k] = sum_n dy[t, n] s_w[n] W_q[n, k]``: the weight scale lies along the reduced dimension, so it
     is folded into the gradient before quantizing it: ``(g_q, s_g) = quantize_rows_e4m3(dy, col_scale=s_w)``, i.e.
     per token ``g = dy * s_w`` (float32), ``s_g = max|g_row| / 448``, ``g_q = e4m3(g / s_g)``; then ``dx =
@@ -69,7 +72,8 @@ import torch
 import torch.nn.functional as F
 
 from trainstream_hf import ops
-from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize
+from trainstream_hf.quant import ahead
+from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor
 
 __all__ = ["MatmulPath", "select_path", "default_act_quant", "ACT_QUANT_FORMATS", "TENSOR_CORE_CAPABILITY",
            "quantize_rows_e4m3", "quantize_activation", "forget_activation", "quantize_nvfp4_activations",
@@ -82,11 +86,12 @@ class MatmulPath:
 
     name: str
     quantizes_activations: bool  # outlier protection applies only where this is True
-    # (x (T, K), q, src=None) -> (T, N), float32 or x.dtype. src: the caller's tensor that x is a 2-D view of
-    # (x = src.reshape(-1, K)), passed where the path may reuse src's quantization (quantize_activation); None: x
-    # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh.
+    # (x (T, K), q, src=None, key=None) -> (T, N), float32 or x.dtype. src: the caller's tensor that x is a 2-D view
+    # of (x = src.reshape(-1, K)), passed where the path may reuse src's quantization (quantize_activation); None: x
+    # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh. key: the
+    # QuantLinear that q belongs to, for the dequant-ahead cache (ahead.dense) where the path decodes the weight.
     forward: Callable[..., torch.Tensor]
-    backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
+    backward: Callable[..., torch.Tensor]  # (dy (T, N), q, key=None) -> dx (T, K) in dy.dtype
 
 
 def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -257,21 +262,22 @@ def _nvfp4_weight_operand(q: QuantizedTensor) -> torch.Tensor:
 # Paths
 # --------------------------------------------------------------------------------------------------------------
 
-def _dequant_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, dequantize(q, x.dtype))
+def _dequant_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None, key=None) -> torch.Tensor:
+    return F.linear(x, ahead.dense(q, x.dtype, key))
 
 
-def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    return dy.mm(dequantize(q, dy.dtype))
+def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor, key=None) -> torch.Tensor:
+    return dy.mm(ahead.dense(q, dy.dtype, key))
 
 
-def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
+def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None, key=None) -> torch.Tensor:
     xq, sx = quantize_activation(x, src)
     acc = xq.float().mm(q.tensors["data"].float().t())
     return acc * sx * q.tensors["scale"]
 
 
-def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
+def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None,
+                        key=None) -> torch.Tensor:
     xv, ts = quantize_nvfp4_activations(x)
     return xv.mm(_nvfp4_weight_operand(q).t()) * (ts * q.tensors["tensor_scale"])
 
@@ -295,7 +301,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
+def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None,
+                           key=None) -> torch.Tensor:
     if not _scaled_mm_ok(x.dtype, q):
         return _fp8_w8a8_forward(x, q, src)
     xq, sx = quantize_activation(x, src)
@@ -324,9 +331,9 @@ def _ones_row(k: int, device: torch.device) -> torch.Tensor:
     return ones
 
 
-def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor, key=None) -> torch.Tensor:
     if not _scaled_mm_ok(dy.dtype, q):
-        return _dequant_backward(dy, q)
+        return _dequant_backward(dy, q, key)
     gq, sg = quantize_rows_e4m3(dy, q.tensors["scale"])  # dy * s_w, per token to E4M3
     # The (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled byte transpose: torch's strided
     # copy moves bytes at a fraction of memory bandwidth).
