@@ -1,6 +1,7 @@
 """The peer side of the engine benchmark on CPU: model builders, the timing harness, the peers that run
 without CUDA, the clean "not run" rows of those that need it, and the ``peers --quick`` suite."""
 import json
+import re
 import sys
 
 import pytest
@@ -250,3 +251,17 @@ def test_harness_counts_python_gc_and_can_freeze(monkeypatch):
     row = measure_training("y", lambda: ((lambda: frozen_during.append(gc.get_freeze_count())), None),
                            device=torch.device("cpu"), warmup=0, repeats=2)
     assert row["python_gc"]["frozen"] is True and min(frozen_during) > 0 and gc.get_freeze_count() == 0
+
+
+def test_peers_help_names_every_row(capsys):
+    """--help lists every row each suite accepts (the list is written out, so a new row must be added to it)."""
+    from trainstream_hf.bench import engine, quant
+
+    with pytest.raises(SystemExit):
+        main(["engine", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse folds the long lists anywhere, even inside a word
+    text = text[text.index("subsetof:"):]  # the --peers help (--shape's help says "quant:" too)
+    lists = [re.search(marker + r"([a-z0-9_,]+)", text).group(1) for marker in ("subsetof:", "engine:thoseand", "quant:")]
+    listed = {name for names in lists for name in names.split(",")}
+    assert set(peers.PEERS) <= listed
+    assert set(engine.JOBS) <= listed and set(quant.ROWS) <= listed
