@@ -102,15 +102,18 @@ def _supported_isas():
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_adamw_simd_paths_bit_identical(grad_dtype, monkeypatch):
+@pytest.mark.parametrize("out_offset", [0, 1])
+def test_adamw_simd_paths_bit_identical(grad_dtype, out_offset, monkeypatch):
     """Every SIMD path this CPU has (AVX-512 with masked tails, AVX2 with a scalar tail, scalar) gives the
-    same bits: same operations in the same order, correctly rounded sqrt/div."""
+    same bits: same operations in the same order, correctly rounded sqrt/div. out_offset=1 puts the bf16 copy 2
+    bytes off a 32-byte boundary, where AVX-512 cannot stream its stores (ordinary stores instead)."""
     n = 100_003  # not a multiple of 8 or 16: exercises every tail
     results = {}
     for isa in _supported_isas():
         monkeypatch.setenv("TRAINSTREAM_CPU_ISA", isa)
         p, m, v = _rand(n, 21), _rand(n, 22) * 0.01, _rand(n, 23).abs() * 0.01
-        out = torch.empty(n, dtype=torch.bfloat16)
+        out = torch.empty(n + 16, dtype=torch.bfloat16)[out_offset:out_offset + n]
+        assert (out.data_ptr() % 32 == 0) == (out_offset == 0)
         ops.adamw_step_(p, m, v, _rand(n, 24).to(grad_dtype), lr=1e-2, weight_decay=0.1, step=3, param_bf16=out)
         results[isa] = (p, m, v, out)
     first = results["scalar"]

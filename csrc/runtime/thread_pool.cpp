@@ -31,7 +31,7 @@ void ThreadPool::worker_loop(int index) {
   for (;;) {
     const std::function<void(int64_t, int64_t)>* job;
     int64_t n;
-    int chunks;
+    int chunks, threads;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -40,15 +40,16 @@ void ThreadPool::worker_loop(int index) {
       job = job_;
       n = job_n_;
       chunks = job_chunks_;
+      threads = job_threads_;
     }
-    if (index < chunks) {
-      const int64_t begin = n * index / chunks, end = n * (index + 1) / chunks;
+    if (index < threads) {
       in_pool_job = true;
       try {
-        (*job)(begin, end);
+        run_chunks(*job, n, chunks);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!error_) error_ = std::current_exception();
+        next_.store(chunks);  // the others stop claiming: the call fails anyway
       }
       in_pool_job = false;
       std::lock_guard<std::mutex> lock(mutex_);
@@ -57,24 +58,34 @@ void ThreadPool::worker_loop(int index) {
   }
 }
 
+void ThreadPool::run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int chunks) {
+  for (int64_t c = next_.fetch_add(1); c < chunks; c = next_.fetch_add(1)) fn(n * c / chunks, n * (c + 1) / chunks);
+}
+
 void ThreadPool::parallel_for(int64_t n, int64_t grain, int num_threads,
                               const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
-  int chunks = static_cast<int>(std::min<int64_t>({(n + grain - 1) / grain,
-                                                   static_cast<int64_t>(std::max(num_threads, 1)),
-                                                   static_cast<int64_t>(size())}));
-  if (chunks <= 1 || in_pool_job) {
+  const int64_t pieces = (n + grain - 1) / grain;
+  const int threads = static_cast<int>(std::min<int64_t>({pieces, static_cast<int64_t>(std::max(num_threads, 1)),
+                                                          static_cast<int64_t>(size())}));
+  if (threads <= 1 || in_pool_job) {
     fn(0, n);
     return;
   }
+  // kChunksPerThread chunks per thread, claimed first come first served: a thread that shares its core with
+  // another busy thread (the Python thread launching backward's kernels while the AdamW runs) takes fewer, instead
+  // of holding every other thread up at the end of the call.
+  const int chunks = static_cast<int>(std::min<int64_t>(pieces, static_cast<int64_t>(threads) * kChunksPerThread));
   std::lock_guard<std::mutex> call_lock(call_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = &fn;
     job_n_ = n;
     job_chunks_ = chunks;
-    pending_ = chunks - 1;
+    job_threads_ = threads;
+    next_.store(0);
+    pending_ = threads - 1;
     error_ = nullptr;
     ++generation_;
   }
@@ -82,9 +93,10 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, int num_threads,
   std::exception_ptr mine;
   in_pool_job = true;
   try {
-    fn(0, n / chunks);
+    run_chunks(fn, n, chunks);
   } catch (...) {
     mine = std::current_exception();
+    next_.store(chunks);
   }
   in_pool_job = false;
   std::unique_lock<std::mutex> lock(mutex_);

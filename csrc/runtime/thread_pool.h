@@ -5,6 +5,7 @@
 // ships. A pool of our own avoids that and lets the staging pool run copies while compute threads work.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -23,15 +24,18 @@ class ThreadPool {
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }  // + the calling thread
 
-  // Splits [0, n) into at most `num_threads` contiguous chunks of >= grain elements and runs
-  // fn(begin, end) on them, the caller taking the first chunk; returns when all chunks are done.
+  // Runs fn(begin, end) over [0, n) on up to `num_threads` threads (the caller among them): the range is cut
+  // into up to kChunksPerThread contiguous chunks per thread, each of >= grain elements, which the threads
+  // claim in order as they finish the previous one; returns when all chunks are done.
   // Re-entrant calls (from inside fn) run serially on the calling thread. The first exception thrown
   // by a chunk is rethrown on the caller.
   void parallel_for(int64_t n, int64_t grain, int num_threads,
                     const std::function<void(int64_t, int64_t)>& fn);
 
  private:
+  static constexpr int kChunksPerThread = 4;
   void worker_loop(int index);
+  void run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int chunks);
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
@@ -41,6 +45,8 @@ class ThreadPool {
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
   int64_t job_n_ = 0;
   int job_chunks_ = 0;
+  int job_threads_ = 0;
+  std::atomic<int64_t> next_{0};  // the next chunk to claim
   int64_t generation_ = 0;
   int pending_ = 0;
   std::exception_ptr error_;
