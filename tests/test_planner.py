@@ -159,24 +159,59 @@ def test_budget_fitting_weights_but_not_activations_offloads_first_activations()
 
 def test_smaller_budget_pages_weights_too():
     model = _llama()
+    # Without recompute the activations of every block go to the host first, then the first blocks' weights.
     acts_out = _plan(model, offload_optimizer=False, offload_activations=True)
     w = acts_out.blocks[0].weight_bytes
     budget = acts_out.margin + acts_out.predicted_peak() - w
-    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0)
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=False)
     assert pl.offloaded_activation_blocks == list(range(len(pl.blocks)))
     moved = _assert_minimal_prefix(pl, "weights")
     assert 0 < len(moved) < len(pl.blocks)
     assert (pl.slots, pl.prefetch) == (2, 0)
 
 
+def test_paged_plan_recomputes_instead_of_offloading_activations():
+    """Once weights are paged the H2D link is the bottleneck: activations are recomputed, not sent over it, and
+    the budget left after paging goes to the last blocks' activations."""
+    model = _llama(layers=6)
+    recomputed = _plan(model, offload_optimizer=False, recompute=True)
+    w = recomputed.blocks[0].weight_bytes
+    budget = recomputed.margin + recomputed.predicted_peak() - w
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0)
+    assert pl.offloaded_activation_blocks == []
+    moved = _assert_minimal_prefix(pl, "weights")
+    assert 0 < len(moved) < len(pl.blocks)
+    # Every block is recomputed but a suffix that is kept whole; one more kept block would not fit.
+    kept = [b.index for b in pl.blocks if b.activations == "device"]
+    assert kept == list(range(len(pl.blocks) - len(kept), len(pl.blocks)))
+    assert pl.recomputed_blocks == list(range(len(pl.blocks) - len(kept)))
+    more = copy.deepcopy(pl)
+    more.blocks[len(pl.blocks) - len(kept) - 1].activations = "device"
+    assert not more.fits()
+    # Fewer bytes over PCIe than the same budget with activations offloaded (recompute=False).
+    offloading = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=False)
+    assert pl.pcie_bytes() < offloading.pcie_bytes()
+
+
+def test_paged_plan_needs_no_more_than_the_offload_layout():
+    """At the budget of the offload-everything, page-everything layout the auto plan fits, with no more PCIe
+    traffic (here recomputing every block fits without paging at all: it never holds two blocks' activations)."""
+    model = _llama()
+    lowest = _plan(model, offload_optimizer=False, offload_activations=True, page_weights=True)
+    pl = _plan(model, vram_budget=lowest.predicted_peak() + lowest.margin, offload_optimizer=False)
+    assert pl.fits() and pl.pcie_bytes() <= lowest.pcie_bytes()
+    assert pl.predicted_peak() <= lowest.predicted_peak()
+
+
 def test_below_the_minimum_raises_with_the_minimum():
     model = _llama()
     kw = dict(min_offload_numel=1000)
-    lowest = _plan(model, offload_optimizer=True, grads="host", offload_activations=True, page_weights=True, **kw)
-    minimum = lowest.predicted_peak() + lowest.margin
-    assert minimum < _plan(model, **kw).predicted_peak() + lowest.margin  # offloading buys something
+    lowest = [_plan(model, offload_optimizer=True, grads="host", page_weights=True, **acts, **kw)
+              for acts in (dict(offload_activations=True), dict(offload_activations=False, recompute=True))]
+    minimum = min(p.predicted_peak() for p in lowest) + lowest[0].margin
+    assert minimum < _plan(model, **kw).predicted_peak() + lowest[0].margin  # offloading buys something
     at = _plan(model, vram_budget=minimum, **kw)  # exactly the minimum fits
-    assert at.fits() and at.predicted_peak() == lowest.predicted_peak()
+    assert at.fits() and at.predicted_peak() + at.margin == minimum
     with pytest.raises(BudgetError, match="below the minimum") as e:
         _plan(model, vram_budget=minimum - 1, **kw)
     assert f"{minimum / GiB:.2f} GiB predicted" in str(e.value)

@@ -88,6 +88,10 @@ class TrainStreamConfig:
                 "while the GPU computes: 'auto', True (every block) or False."})
     page_weights: str | bool = field(default="auto", metadata={
         "help": "Block weights in host RAM, streamed into device slots ahead of use: 'auto', True or False."})
+    expandable_segments: str | bool = field(default="auto", metadata={
+        "help": "Switch the CUDA caching allocator to expandable segments (process-wide, for segments allocated "
+                "after wrap) so fragmentation cannot eat the plan's margin: 'auto' (when the plan pages weights and "
+                "PYTORCH_CUDA_ALLOC_CONF does not set it), True or False (never touch the allocator)."})
     slots: int = field(default=2, metadata={"help": "Device slots of the weight ring (>= 1)."})
     prefetch: int = field(default=1, metadata={"help": "Blocks copied ahead into the ring (< slots)."})
     batch_shape: tuple | None = field(default=None, metadata={
@@ -148,7 +152,7 @@ class TrainStreamConfig:
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
         for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute",
-                     "data_parallel"):
+                     "data_parallel", "expandable_segments"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if self.grads not in ("auto", "device", "host"):

@@ -419,6 +419,37 @@ def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _prefer_recompute_when_paging(pl: Plan, page) -> None:
+    """Once weights are paged, the H2D link carries every paged block twice per step and is the bottleneck: an
+    offloaded block's activations would queue behind the weights (up in backward), while recomputing it costs
+    GPU time that waits on the link anyway, and its smaller footprint leaves room for more resident weights
+    (each one 2 x its bytes less traffic per step). So the activation layout is redone for paging: recompute
+    every block that can be, then page as few blocks as fit, then give the slack back to the last blocks'
+    activations (kept: no recompute, no traffic). Kept only if it moves fewer PCIe bytes than the layout chosen
+    before paging (which spaced offloaded blocks by their copy time, never recomputing when one copy hides under
+    one block's forward: at a tight budget recomputing can even avoid paging altogether) (history: the 32B LoRA at 24 GiB offloaded 21 blocks' activations, 13.6 GB of its 107 GB H2D
+    per step, benchmarks/NOTES.md, session 6)."""
+    before = [(b.activations, b.weights) for b in pl.blocks]
+    fitted, moved, peak = pl.fits(), pl.pcie_bytes(), pl.predicted_peak()
+    for b in pl.blocks:
+        b.activations = "recompute" if b.can_recompute else b.activations
+    page()
+    if pl.fits():
+        for b in reversed(pl.blocks):
+            if b.activations != "recompute":
+                continue
+            b.activations = "device"
+            if not pl.fits():
+                b.activations = "recompute"
+                break
+        better = not fitted or pl.pcie_bytes() < moved
+    else:  # neither fits: keep the lower peak, so that the error states the true minimum
+        better = not fitted and pl.predicted_peak() < peak
+    if not better:
+        for b, (a, w) in zip(pl.blocks, before):
+            b.activations, b.weights = a, w
+
+
 def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[int, int], vram_budget,
          device: torch.device | str | None = None, offload_optimizer="auto", grads="auto",
          offload_activations="auto", page_weights="auto", slots: int = 2, prefetch: int = 1,
@@ -548,10 +579,18 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             raise ValueError(f"prefetch ({prefetch}) must be below slots ({slots}): a slot is refilled only "
                              "after the block in it has run")
         pl.slots, pl.prefetch = slots, prefetch
-        for b in block_plans:
-            if page_weights == "auto" and pl.fits():
-                break
-            b.weights = "host"
+
+        def page() -> None:
+            for b in block_plans:
+                b.weights = "device"
+            for b in block_plans:
+                if page_weights == "auto" and pl.fits():
+                    break
+                b.weights = "host"
+
+        page()
+        if page_weights == "auto" and offload_activations == "auto" and recompute is not False:
+            _prefer_recompute_when_paging(pl, page)
     # wrap() sends the gradients of paged trainable weights straight into their host masters (the weight is
     # not on the device after its block has run), so the plan must count host gradients, not device ones.
     if pl.offload_optimizer and pl.grads == "device" and any(

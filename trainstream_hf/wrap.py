@@ -18,6 +18,7 @@ from trainstream_hf import planner
 from trainstream_hf.config import TrainStreamConfig, parse_bytes
 from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
+from trainstream_hf.engine.allocator import enable_expandable_segments, wants_expandable_segments
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.casts import CastSources
 from trainstream_hf.engine.gcstats import GcPauses
@@ -82,6 +83,7 @@ class Engine:
         self.pager, self.offloader, self.optimizer = pager, offloader, optimizer
         self.user_optimizer = user_optimizer
         self.steps = 0
+        self.expandable_segments = False  # wrap() switched the CUDA allocator to expandable segments
         self._t0: float | None = None
         # With an optimizer, a step is an optimizer step (all its micro-batches): the window opens at the first
         # forward and closes when step() returns. Without one, each forward pass starts a new window.
@@ -124,6 +126,7 @@ class Engine:
              "arena_used_bytes": arena["used"], "arena_reserved_bytes": arena["reserved"],
              "predicted_peak_bytes": self.plan.predicted_peak()}
         if self.streams.is_cuda:
+            s["expandable_segments"] = self.expandable_segments
             s["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.streams.device)
             s["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.streams.device)
         s["overlap"] = None  # measured only with the timeline on (it costs a host sync per step)
@@ -386,6 +389,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     pager = offloader = None
     new_opt = optimizer
     try:
+        expandable = (wants_expandable_segments(config.expandable_segments, device, bool(pl.paged_blocks))
+                      and enable_expandable_segments())
         if pl.paged_blocks:
             # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the
             # device optimizer: paging them would save little and put them on the CPU optimizer.
@@ -443,6 +448,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
     engine.casts = casts
+    engine.expandable_segments = expandable
     engine.loss_owner = loss_owner
     engine.install_recompute(blocks, pl.recomputed_blocks)
     if isinstance(new_opt, OffloadedAdamW) and new_opt.overlap_step:
