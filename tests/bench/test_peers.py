@@ -265,3 +265,15 @@ def test_peers_help_names_every_row(capsys):
     listed = {name for names in lists for name in names.split(",")}
     assert set(peers.PEERS) <= listed
     assert set(engine.JOBS) <= listed and set(quant.ROWS) <= listed
+
+
+def test_pcie_figures_use_the_busier_direction():
+    bw = {"status": "ok", "h2d_GBps": 50.0, "d2h_GBps": 25.0}
+    row = {"step_s": 2.0, "engine_stats": {"h2d_bytes": 80e9, "d2h_bytes": 30e9}}
+    f = peers.pcie_figures(row, bw)
+    assert f["h2d_s"] == pytest.approx(1.6) and f["d2h_s"] == pytest.approx(1.2)
+    assert f["bound_s"] == pytest.approx(1.6)
+    assert f["efficiency"] == pytest.approx(0.8) and f["x_bound"] == pytest.approx(1.25)
+    assert peers.pcie_figures({"step_s": 2.0, "engine_stats": {"h2d_bytes": 0, "d2h_bytes": 0}}, bw) is None
+    assert peers.pcie_figures(row, {"status": "not run: not selected"}) is None
+    assert peers.pcie_figures({**row, "step_s": None}, bw) is None

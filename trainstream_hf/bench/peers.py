@@ -447,6 +447,26 @@ def offload_bounds(numel: int, bandwidth: dict, adamw_s: Optional[float]) -> dic
             "serial_s": down + up + adamw_s, "overlapped_s": max(down, up, adamw_s), "status": "ok"}
 
 
+def pcie_figures(row: dict, bandwidth: dict) -> Optional[dict]:
+    """How close a wrapped row's step comes to its own PCIe traffic at the measured pinned bandwidth.
+
+    ``bound_s`` is the time the busier direction of the (full-duplex) link needs for the bytes the engine moved
+    in one step (``engine_stats``: the last timed step); ``efficiency`` = ``bound_s / step_s`` (1.0: the link
+    never idles in that direction), ``x_bound`` = ``step_s / bound_s``. None when the row moved nothing or the
+    bandwidth was not measured.
+    """
+    stats = row.get("engine_stats") or {}
+    if bandwidth.get("status") != "ok" or not row.get("step_s"):
+        return None
+    h2d, d2h = stats.get("h2d_bytes") or 0, stats.get("d2h_bytes") or 0
+    if not h2d and not d2h:
+        return None
+    up, down = h2d / (bandwidth["h2d_GBps"] * 1e9), d2h / (bandwidth["d2h_GBps"] * 1e9)
+    bound = max(up, down)
+    return {"h2d_bytes": h2d, "d2h_bytes": d2h, "h2d_s": up, "d2h_s": down, "bound_s": bound,
+            "efficiency": bound / row["step_s"], "x_bound": row["step_s"] / bound}
+
+
 def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[str] = None, batch: int = 1,
         seq: Optional[int] = None, warmup: Optional[int] = None, repeats: Optional[int] = None,
         vram_budget_gib: Optional[float] = 24.0, peers=None, extra_jobs: Optional[dict] = None,
@@ -512,6 +532,10 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
     payload["results"] = rows = sorted(rows, key=lambda r: groups.index(r["group"]))  # stable: run order
     adamw = next((r for r in rows if r["key"] == "cpu_adamw" and r["status"] == "ok"), None)
     payload["offload_bounds"] = offload_bounds(full_numel, payload["bandwidth"], adamw and adamw["step_s"])
+    for r in rows:
+        fig = pcie_figures(r, payload["bandwidth"])
+        if fig is not None:
+            r["pcie"] = fig
     for group in groups:
         if group == "optimizer":
             continue
@@ -529,6 +553,12 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
     if bw["status"] == "ok":
         md.append(f"Pinned copies, {bw['bytes'] / MiB:.0f} MiB: H2D {bw['h2d_GBps']:.1f} GB/s, "
                   f"D2H {bw['d2h_GBps']:.1f} GB/s.")
+    for r in rows:
+        if "pcie" in r:
+            f = r["pcie"]
+            md.append(f"{r['key']}: PCIe per step H2D {f['h2d_bytes'] / 1e9:.2f} GB, D2H {f['d2h_bytes'] / 1e9:.2f} GB "
+                      f"-> {f['bound_s']:.3f} s at the measured bandwidth; efficiency {100 * f['efficiency']:.0f}%, "
+                      f"step = {f['x_bound']:.2f}x that bound.")
     if bounds["status"] == "ok":
         md.append(f"Offload host-side lower bound for {full_numel / 1e9:.2f} B params: serial "
                   f"{bounds['serial_s']:.3f} s, perfectly overlapped {bounds['overlapped_s']:.3f} s "
