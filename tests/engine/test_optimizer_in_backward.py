@@ -182,6 +182,37 @@ def test_updates_start_during_backward(monkeypatch):
     ts.unwrap(model)
 
 
+def test_queued_updates_run_in_the_next_forwards_order(monkeypatch):
+    """Updates that queue up behind a busy worker run in the order the next forward needs them (embedding, block 0,
+    block 1, ...), not in the order backward delivered their gradients (last block first)."""
+    real = opt_mod.ops.adamw_step_
+    order = []
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), **HP), **INBWD)
+    slot_of = {id(s.master): s.param for s in opt._slots.values()}
+
+    def recording(master, *a, **k):
+        order.append(slot_of[id(master)])
+        return real(master, *a, **k)
+    monkeypatch.setattr(opt_mod.ops, "adamw_step_", recording)
+    gate = threading.Event()
+    opt._executor().submit(gate.wait, 60)  # the worker is busy until backward has queued every update
+    _backward(model)
+    gate.set()
+    opt.step()
+    opt.synchronize()
+    expected = [s.param for s in opt._step_order]
+    assert order == expected
+    blocks = list(model.model.layers)
+    first = {id(p) for p in blocks[0].parameters()}
+    last = {id(p) for p in blocks[-1].parameters()}
+    place = {id(p): k for k, p in enumerate(order)}
+    assert place[id(model.model.embed_tokens.weight)] == 0
+    assert max(place[i] for i in first) < min(place[i] for i in last)
+    opt.zero_grad()
+    ts.unwrap(model)
+
+
 def test_state_dict_resume_is_exact():
     full = _llama()
     start = copy.deepcopy(full)

@@ -25,7 +25,9 @@ The object *is* a ``torch.optim.Optimizer`` sharing the user's param-group dicts
 """
 from __future__ import annotations
 
+import heapq
 import inspect
+import itertools
 import threading
 import time
 from collections import defaultdict
@@ -204,6 +206,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._in_backward: dict[nn.Parameter, None] = {}  # parameters whose update was queued since the last step
         self._in_backward_error: tuple[int, BaseException] | None = None
         self._step_order: list[_Slot] | None = None
+        self._rank: dict[int, int] = {}  # id(slot) -> its place in the step order (in-backward priority)
+        # Updates queued in backward, most urgent first: (rank, arrival, slot, hyper, compute_done). One worker
+        # task per entry; each task pops the most urgent one, not its own.
+        self._urgent: list = []
+        self._urgent_lock = threading.Lock()
+        self._arrival = itertools.count()
         self._worker: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._released = False
@@ -396,7 +404,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
             compute_done = torch.cuda.current_stream(self.streams.device).record_event()
         self._in_backward[p] = None
         slot.ready.clear()
-        self._executor().submit(self._update_in_backward, slot, h, compute_done)
+        with self._urgent_lock:
+            heapq.heappush(self._urgent, (self._rank.get(id(slot), len(self._rank)), next(self._arrival), slot, h,
+                                          compute_done))
+        self._executor().submit(self._update_most_urgent)
+
+    def _update_most_urgent(self) -> None:
+        """A worker task of backward: updates the queued parameter the next forward needs first (lowest place in the
+        step order), not the oldest. Backward delivers block 0's gradients last while the CPU AdamW lags behind it
+        (3B full FT on the H200: Adam 0.82 s against ~0.2 s of backward), so in arrival order the next forward waits
+        for every update; in step order it starts once the embedding and block 0 are done and then follows the
+        updates block by block. Each parameter's arithmetic is the same in any order."""
+        with self._urgent_lock:
+            _, _, slot, h, compute_done = heapq.heappop(self._urgent)
+        self._update_in_backward(slot, h, compute_done)
 
     def _update_in_backward(self, slot: _Slot, h: dict, compute_done) -> None:
         """One parameter's update, on the worker: waits for its gradient's copy, steps it, issues its H2D copy."""
@@ -443,6 +464,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         listed = [self._slots[p] for p in dict.fromkeys(params) if p in self._slots]
         seen = {id(s) for s in listed}
         self._step_order = listed + [s for s in self._slots.values() if id(s) not in seen]
+        self._rank = {id(s): k for k, s in enumerate(self._step_order)}
 
     def wait_for(self, params: Iterable[nn.Parameter]) -> None:
         """Makes the current stream wait for the new values of ``params`` (offloaded ones; others are
