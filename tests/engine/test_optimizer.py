@@ -454,3 +454,22 @@ def test_host_grads_bf16_first_term_unconverted(micro):
         assert g.dtype == (torch.bfloat16 if micro == 1 else torch.float32)
         want = expected[q].to(torch.bfloat16) if micro == 1 else expected[q]
         assert torch.equal(g, want)
+
+
+def test_lr_set_after_load_state_dict_reaches_the_device_parameters():
+    """A scheduler's lr after load_state_dict (Accelerate's prepare loads one into every Trainer's optimizer)
+    reaches the parameters that stay on the device optimizer, not only the offloaded ones."""
+    data = make_data(steps=6)
+    models, opts = [], []
+    for load in (False, True):
+        m = make_model()
+        opt = wrap(torch.optim.AdamW(m.parameters(), **HP), [m[0].weight, m[2].weight])
+        if load:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 10 * s))
+        train(m, opt, data, sched=sched)
+        models.append(m)
+        opts.append(opt)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    assert opts[1]._device_opt.param_groups[0]["lr"] < HP["lr"]  # the schedule reached the device optimizer

@@ -635,6 +635,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._device_opt.load_state_dict({
                 "state": {dev_index[p]: st for i, p in index.items() if p in dev_index and (st := saved.get(i))},
                 "param_groups": dev_groups})
+            # torch's load_state_dict replaces the group dicts: pair ours with the new ones, or every later lr
+            # (a scheduler's) would go to the old dicts and the device parameters would keep the loaded lr.
+            self._device_groups = [(g, dg) for (g, _), dg in zip(self._device_groups, self._device_opt.param_groups)]
         self._sync_state()
 
     def _load_slot(self, slot: _Slot, st: dict) -> None:
