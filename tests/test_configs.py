@@ -55,6 +55,7 @@ def test_benchmark_configs(name):
     assert (cfg.trainstream.quantize, cfg.lora.r, cfg.trainstream.vram_budget) == (quantize, r, "24GiB")
     assert (cfg.train.batch_size, cfg.data.max_length, cfg.data.packing) == (1, 2048, True)
     assert cfg.trainstream.batch_shape == (1, 2048) and cfg.wrap and not cfg.eval.enabled
+    assert cfg.loop == ("trainer" if shape == "llama3-70b" else "plain")  # issue 5: the 70B nf4 run through Trainer
     if r is not None:
         assert cfg.lora.target_modules == "all-linear"
 
@@ -240,14 +241,15 @@ def test_every_field_is_overridable_from_the_command_line(recipe):
                "trainstream.device": "cpu", "trainstream.grads": "host", "trainstream.batch_shape": [2, 8],
                "trainstream.min_activation_bytes": "1MiB", "trainstream.outliers": 0.01,
                "trainstream.prefetch": 0, "trainstream.overlap_step": True, "trainstream.host_arena_slab": "128MiB",
-               "trainstream.data_parallel": False,
+               "trainstream.data_parallel": False, "trainstream.expandable_segments": False,
+               "trainstream.elide_casts": False,
                "mixed_precision": "bf16", "lora.r": 4, "lora.dropout": 0.05,
                "lora.target_modules": ["q_proj", "v_proj"], "dpo.loss_type": "hinge", "dpo.corruptions": ["drop"],
                "grpo.rewards": ["exact_match", "char_position"], "grpo.loss_type": "grpo",
                "grpo.scale_rewards": "none",
                # grpo: completions per step stay a multiple of the group size
                "train.batch_size": 128 if recipe == "grpo" else base.train.batch_size + 1,
-               "grpo.num_generations": 4, "train.weight_decay": 0.05}
+               "grpo.num_generations": 4, "train.weight_decay": 0.05, "loop": "trainer"}
     needs = {"trainstream.quantize": ["--lora.r", "16"]}  # a quantized base is frozen: it takes adapters
     leaves = list(_leaves(cls))
     assert len(leaves) > 30
@@ -299,6 +301,7 @@ def test_override_forms_and_yaml_typing():
     ({"train.steps.x": 5}, r"train\.steps is a value, not a section"),
     ({"train.steps": 0}, r"train: steps: at least 1"),
     ({"trainstream.grads": "sideways"}, r"trainstream: grads: 'auto', 'device' or 'host', got 'sideways'"),
+    ({"loop": "bogus"}, r"loop: expected 'plain' \| 'trainer', got 'bogus'"),
     ({"trainstream.quantize": "int3"}, r"quantize: unknown format 'int3'; choose one of None, 'int8'"),
     ({"trainstream.overlap": True},
      r"unknown option trainstream\.overlap \(did you mean trainstream\.overlap_step\?\); the options of trainstream"),

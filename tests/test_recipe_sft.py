@@ -60,7 +60,49 @@ def test_engine_gives_the_plain_loop_losses(sft, tmp_path):
     assert (tmp_path / "plain" / "model" / "tokenizer.json").is_file()
 
 
+def test_trainer_loop_trains_through_the_engine_and_writes_the_same_summary(sft, tmp_path):
+    """loop: trainer runs the steps in transformers' Trainer (TrainStreamTrainer), the engine installed; the summary
+    has the plain loop's fields, per-step losses and times, and the engine's figures of every step."""
+    out = tmp_path / "run"
+    summary = sft(CONFIG + SMALL + ["--loop", "trainer", "--train.steps", "20", "--output_dir", str(out)])
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary)) and on_disk["config"]["loop"] == "trainer"
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]  # the Trainer wrote nothing of its own there
+    plain_keys = ("command", "date", "config", "model", "steps", "loss", "exact_match", "train_loss", "timing",
+                  "peak_memory", "trainstream", "predictions_after")
+    assert all(k in on_disk for k in plain_keys)
+    assert summary["steps"] == 20 and [s for s, _ in summary["train_loss"]["curve"]] == [5, 10, 15, 20]
+    assert summary["train_loss"]["first"] > summary["train_loss"]["last"] + 0.5
+    assert 3.5 < summary["loss"]["before"] < 5.0 and summary["loss"]["after"] < summary["loss"]["before"] - 0.5
+    assert summary["timing"]["median_step_seconds"] > 0 and summary["timing"]["tokens_per_second"] > 0
+    ts = summary["trainstream"]
+    assert ts["plan"]["paged_blocks"] == [0, 1, 2, 3] == ts["plan"]["offloaded_activation_blocks"]
+    assert ts["h2d_bytes_per_step"] > 0 and ts["d2h_bytes_per_step"] > 0 and ts["steps_measured"] == 20
+
+
+@pytest.mark.parametrize("schedule", [
+    ["--train.scheduler", "constant_with_warmup", "--train.warmup_steps", "0"],
+    ["--train.warmup_steps", "2"],  # the schedule reaches the device-resident parameters after prepare's load
+])
+def test_trainer_loop_gives_the_plain_loop_losses(sft, tmp_path, schedule):
+    """The two loops train the same: the Trainer's first epoch draws the batches data.batches draws (a permutation
+    from a generator seeded with the seed), its AdamW takes the same hyper-parameters (weight decay 0: it leaves
+    norms out of decay), and its clipping (on from the first step) counts the gradients the engine keeps in host RAM
+    for paged trainable weights."""
+    args = CONFIG + SMALL + ["--train.steps", "5", "--train.log_every", "1", "--eval.examples", "8",
+                             "--train.weight_decay", "0"] + schedule
+    plain = sft(args + ["--output_dir", str(tmp_path / "plain")])
+    trainer = sft(args + ["--output_dir", str(tmp_path / "trainer"), "--loop", "trainer"])
+    assert trainer["trainstream"]["plan"]["grads"] == "host"
+    for (_, a), (_, b) in zip(plain["train_loss"]["curve"], trainer["train_loss"]["curve"]):
+        assert abs(a - b) < 1e-4
+    assert abs(plain["loss"]["after"] - trainer["loss"]["after"]) < 1e-4
+
+
 @pytest.mark.parametrize("args, error, match", [
+    (["--loop", "bogus"], ConfigError, r"loop: expected 'plain' \| 'trainer', got 'bogus'"),
+    (["--loop", "trainer", "--trainstream.grads", "host"], ConfigError,
+     r"trainstream\.grads='host' keeps gradients where the Trainer's clipping cannot see them \(loop: trainer\)"),
     (["--train.step", "5"], ConfigError, r"unknown option train\.step \(did you mean train\.steps\?\)"),
     (["--mixed_precision", "fp16"], ConfigError, r"mixed_precision: expected 'auto' \| 'no' \| 'bf16', got 'fp16'"),
     (["--lora.rank", "8"], ConfigError, r"unknown option lora\.rank; the options of lora are: r, alpha"),

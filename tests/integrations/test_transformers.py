@@ -30,7 +30,10 @@ COMMON = dict(max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, we
               lr_scheduler_type="linear", warmup_steps=2, dataloader_num_workers=0)
 
 
-def test_trainstream_trainer_matches_plain_trainer(tmp_path):
+@pytest.mark.parametrize("page_weights", ["auto", "true"])
+def test_trainstream_trainer_matches_plain_trainer(tmp_path, page_weights):
+    """Paged trainable weights send their gradients to host RAM whatever ``grads`` says: the Trainer's clipping
+    (max_grad_norm=1.0, active from the first step) must count them too."""
     ref = _model()
     model = copy.deepcopy(ref)
     Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **COMMON),
@@ -39,7 +42,7 @@ def test_trainstream_trainer_matches_plain_trainer(tmp_path):
         output_dir=str(tmp_path / "b"), trainstream="on", trainstream_offload_optimizer="true",
         trainstream_offload_activations="true", trainstream_min_offload_numel=0,
         trainstream_min_activation_bytes="0", trainstream_vram_budget="64GiB", trainstream_host_arena="auto",
-        **COMMON)
+        trainstream_page_weights=page_weights, **COMMON)
     trainer = TrainStreamTrainer(model=model, args=args, train_dataset=_data())
     seen = {}
 
@@ -56,6 +59,27 @@ def test_trainstream_trainer_matches_plain_trainer(tmp_path):
     assert diff < 1e-6
     logged = [h for h in trainer.state.log_history if "trainstream/h2d_GBps" in h]
     assert logged and all(h["trainstream/arena_used_GiB"] > 0 for h in logged)
+
+
+def test_engine_left_installed_after_train(tmp_path):
+    """trainstream_unwrap_at_end=False: the engine stays in after train() (a paged model never has to fit on the
+    device whole); unwrapping it later gives the weights an unwrapping at train end gives."""
+    def run(unwrap_at_end):
+        model = _model()
+        args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on",
+                                            trainstream_offload_optimizer="true", trainstream_min_offload_numel=0,
+                                            trainstream_page_weights="true", trainstream_vram_budget="64GiB",
+                                            **COMMON)
+        TrainStreamTrainer(model=model, args=args, train_dataset=_data(),
+                           trainstream_unwrap_at_end=unwrap_at_end).train()
+        return model
+
+    ended, left = run(True), run(False)
+    assert ts.engine_of(ended) is None and ts.engine_of(left) is not None
+    assert left.trainstream_plan.paged_blocks == [0, 1]
+    ts.unwrap(left)
+    for p, q in zip(ended.parameters(), left.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_callback_on_a_plain_trainer(tmp_path):

@@ -60,19 +60,25 @@ class TrainStreamCallback(TrainerCallback):
 
     Args:
         config: a :class:`TrainStreamConfig`; ``options`` override its fields (or build one).
+        unwrap_at_end: take the engine out when training ends, every weight back on the device. False leaves it
+            installed, for a model that never fits on the device whole (paged weights): the caller unwraps it
+            when, and if, it needs the plain model.
         **options: :class:`TrainStreamConfig` fields, e.g. ``vram_budget="24GiB"``.
 
     Gradients stay on the device (the Trainer clips them with ``torch.nn.utils.clip_grad_norm_`` through
     Accelerate, which cannot see gradients held in host RAM) unless ``grads="host"`` is asked for and
-    ``max_grad_norm`` is 0. fp16 mixed precision (a GradScaler) is refused: use bf16.
+    ``max_grad_norm`` is 0. Those of paged trainable weights (a full fine-tune whose blocks are paged) go to host
+    RAM whatever ``grads`` says: only the engine trainers (:class:`EngineTrainerMixin`) clip them. fp16 mixed
+    precision (a GradScaler) is refused: use bf16.
     """
 
-    def __init__(self, config: TrainStreamConfig | None = None, **options):
+    def __init__(self, config: TrainStreamConfig | None = None, *, unwrap_at_end: bool = True, **options):
         base = config.to_dict() if config is not None else {}
         base.update(options)
         if base.get("grads", "auto") == "auto":
             base["grads"] = "device"
         self.config = TrainStreamConfig(**base)
+        self.unwrap_at_end = unwrap_at_end
         self.model = None
         self.last: dict = {}
         self.quantized: list[str] = []
@@ -135,7 +141,7 @@ class TrainStreamCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         # The model goes back to an ordinary one holding the trained weights (for save / push / eval).
-        if self.model is not None and engine_of(self.model) is not None:
+        if self.unwrap_at_end and self.model is not None and engine_of(self.model) is not None:
             unwrap(self.model)
         self.model = None
 
@@ -278,8 +284,8 @@ class EngineTrainerMixin:
         self._ts_places_model = cfg is not None
         return cfg
 
-    def _ts_attach(self, cfg: TrainStreamConfig | None) -> None:
-        self._ts_callback = TrainStreamCallback(cfg) if cfg is not None else None
+    def _ts_attach(self, cfg: TrainStreamConfig | None, unwrap_at_end: bool = True) -> None:
+        self._ts_callback = TrainStreamCallback(cfg, unwrap_at_end=unwrap_at_end) if cfg is not None else None
         if self._ts_callback is not None:
             self.add_callback(self._ts_callback)
 
@@ -294,17 +300,30 @@ class EngineTrainerMixin:
             self.optimizer = optimizer = self._ts_callback.install(self.args, self.model, optimizer)
         return optimizer
 
+    def _clip_grad_norm(self, model):
+        # transformers 5.25's Trainer clips through Accelerate (torch.nn.utils.clip_grad_norm_ over p.grad), blind to
+        # the gradients the engine holds in host RAM (paged trainable weights); the engine's optimizer clips those and
+        # the device ones together, by the same maths.
+        clip = getattr(getattr(self.optimizer, "optimizer", self.optimizer), "clip_grad_norm_", None)
+        if clip is not None and engine_of(self.model) is not None:
+            return clip(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
 
 class TrainStreamTrainer(EngineTrainerMixin, Trainer):
     """A Trainer that installs the engine when its arguments ask for it (``TrainStreamTrainingArguments``)
-    and adds the engine's figures to every log before the reporting callbacks see it."""
+    and adds the engine's figures to every log before the reporting callbacks see it.
 
-    def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, **kwargs):
+    ``trainstream_unwrap_at_end=False`` leaves the engine installed after ``train()`` (see
+    :class:`TrainStreamCallback`): unwrapping puts every weight on the device, which a paged model outgrows."""
+
+    def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None,
+                 trainstream_unwrap_at_end: bool = True, **kwargs):
         cfg = self._ts_setup(kwargs.get("args", args[1] if len(args) > 1 else None), trainstream_config)
         super().__init__(*args, **kwargs)
         if cfg is None and isinstance(self.args, TrainStreamTrainingArguments) and self.args.trainstream_enabled():
             cfg = self.args.trainstream_config()  # args=None: the Trainer made default arguments
-        self._ts_attach(cfg)
+        self._ts_attach(cfg, trainstream_unwrap_at_end)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._ts_callback is not None and self._ts_callback.last:

@@ -246,6 +246,18 @@ class SFTConfig(RecipeConfig):
 
     output_dir: str = _opt("build/sft", "Where summary.json (and the model, with save_model) are written.")
     data: SFTDataArgs = _section(SFTDataArgs, "Data files and tokenizer.")
+    loop: Literal["plain", "trainer"] = _opt(
+        "plain", "How the steps run: 'plain': the recipe's own PyTorch loop over trainstream_hf.wrap; 'trainer': "
+                 "transformers' Trainer (trainstream_hf.integrations.transformers.TrainStreamTrainer, which installs "
+                 "the engine when it creates its optimizer; its AdamW leaves biases and norms out of weight "
+                 "decay). Both write the same summary.")
+
+    def __post_init__(self) -> None:
+        if self.loop == "trainer" and self.wrap and self.trainstream.grads == "host" and self.train.max_grad_norm:
+            raise ValueError("trainstream.grads='host' keeps gradients where the Trainer's clipping cannot see them "
+                             "(loop: trainer): set train.max_grad_norm null, trainstream.grads 'device' or 'auto', "
+                             "or loop 'plain'")
+        super().__post_init__()
 
 
 @dataclass
