@@ -126,10 +126,12 @@ class TrainStreamConfig:
         "help": "Compute a causal LM's loss (transformers' ForCausalLMLoss) in row chunks: the same bits, without "
                 "the fp32 log-probabilities of every token over the vocabulary (3 GiB for an 8B Llama at 2048 "
                 "tokens). Models with another loss function are left alone."})
-    elide_casts: bool = field(default=True, metadata={
+    elide_casts: str | bool = field(default="auto", metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "
-                "LoRA block."})
+                "LoRA block. 'auto': only when the plan needs the memory (if every block keeps its weights and "
+                "activations on the device without it, it is left out: it costs a cast per copy in backward and a "
+                "Python hook per saved tensor); True: always; False: never."})
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANT_FORMATS:
@@ -152,7 +154,7 @@ class TrainStreamConfig:
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
         for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute",
-                     "data_parallel", "expandable_segments"):
+                     "data_parallel", "expandable_segments", "elide_casts"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if self.grads not in ("auto", "device", "host"):

@@ -267,6 +267,7 @@ class BlockMeasure:
     activation_bytes: int
     input_bytes: int
     forward_seconds: float
+    raw_activation_bytes: int = 0  # the same without cast elision (each saved widened copy counted as itself)
 
 
 def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int], device: torch.device,
@@ -283,7 +284,8 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
     block's first tensor input, and the block's forward time (CUDA events on CUDA; the last of ``repeats``
     passes, so one-time initialisation is not counted). Costs the embedding and one block's activations of
     device memory, for a moment. With ``casts`` (a :class:`~trainstream_hf.engine.casts.CastSources`
-    installed on the model), a saved widened copy counts as its source, as the engine will save it. Returns
+    installed on the model), a saved widened copy counts as its source, as the engine will save it
+    (``raw_activation_bytes`` counts it as itself: the bytes without elision). Returns
     None when the model takes no ``input_ids`` (no ``config.vocab_size``).
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -291,6 +293,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
         return None
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
+    raw: dict[int, int] = {}
     held: list[torch.Tensor] = []
     found = {"input": 0, "t": 0.0}
     cuda = device.type == "cuda"
@@ -302,7 +305,10 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
             ptr = kept.untyped_storage().data_ptr()
             if ptr not in params:
                 seen[ptr] = kept.untyped_storage().nbytes()
-            held.append(kept)  # alive until the block ends, as in training (else its memory is reused: miscounted)
+            own = t.untyped_storage().data_ptr()
+            if own not in params:
+                raw[own] = t.untyped_storage().nbytes()
+            held.extend((kept, t) if kept is not t else (kept,))  # alive until the block ends, as in training (else its memory is reused: miscounted)
         # Not the tensor: this forward never runs backward, and a node holding its own output through a pack
         # hook is a reference cycle through C++ that Python's gc cannot see. Returning t leaked every measured
         # forward's activations (two forwards of two blocks: ~1.3 GiB on the 8B LoRA, an OOM on the H200).
@@ -326,6 +332,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
         first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
         found["input"] = first.numel() * first.element_size() if first is not None else 0
         seen.clear()
+        raw.clear()
         ctx.__enter__()
         entered.append(True)
         marks["start"] = now()
@@ -358,7 +365,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
         if entered:  # the block raised (e.g. out of memory): don't leave `pack` on every later backward
             ctx.__exit__(None, None, None)
         held.clear()
-    return BlockMeasure(sum(seen.values()), found["input"], found["t"])
+    return BlockMeasure(sum(seen.values()), found["input"], found["t"], sum(raw.values()))
 
 
 # Fraction of the measured forward time counted as room for activation copies: offloaded blocks are spaced

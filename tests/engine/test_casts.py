@@ -106,7 +106,7 @@ def _compare(train_side_by_side, options, steps=3):
 def test_lora_blocks_save_the_bf16_source_bit_exact(offload, train_side_by_side):
     """Kept on the device or offloaded, a LoRA block that saves the bf16 source of each fp32 copy gives the same
     losses and LoRA gradients as the plain PEFT model, bit for bit."""
-    model = _compare(train_side_by_side, dict(offload_activations=offload, min_activation_bytes=0))
+    model = _compare(train_side_by_side, dict(offload_activations=offload, min_activation_bytes=0, elide_casts=True))
     stats = model.trainstream_stats()["activations"]
     # 7 LoRA layers per block, 3 blocks, each saving (views of) an fp32 copy of its input
     assert stats["casts_elided"] >= 7 * 3
@@ -221,6 +221,30 @@ def test_wrap_measures_a_block_whose_input_needs_a_gradient():
                      for b in (blocks[0], blocks[1]))
     cs.uninstall()
     assert first < second
-    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, batch_shape=(1, 64))
+    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, batch_shape=(1, 64), elide_casts=True)
     assert {b.activation_bytes for b in model.trainstream_plan.blocks} == {second}
     ts.unwrap(model)
+
+
+def test_auto_elides_casts_only_when_the_plan_needs_the_memory():
+    """elide_casts='auto' (the default): with room for every block's full activations nothing is installed (no
+    hooks, no casts in backward) and the plan counts the copies; at a budget only the elided activations meet, the
+    elision is installed and keeps every block on the device."""
+    shape = (1, 64)
+    roomy, _ = ts.wrap(_lora_llama(), None, vram_budget="64GiB", host_arena=None, batch_shape=shape)
+    eng = ts.engine_of(roomy)
+    assert eng.casts is None and eng.offloader is None
+    full = roomy.trainstream_plan
+    ts.unwrap(roomy)
+    forced, _ = ts.wrap(_lora_llama(), None, vram_budget="64GiB", host_arena=None, batch_shape=shape,
+                        elide_casts=True)
+    elided = forced.trainstream_plan
+    ts.unwrap(forced)
+    assert elided.blocks[1].activation_bytes < full.blocks[1].activation_bytes
+    tight, _ = ts.wrap(_lora_llama(), None, vram_budget=elided.predicted_peak() + elided.margin, host_arena=None,
+                       batch_shape=shape, page_weights=False)
+    eng = ts.engine_of(tight)
+    assert eng.casts is not None
+    pl = tight.trainstream_plan
+    assert not (pl.paged_blocks or pl.offloaded_activation_blocks or pl.recomputed_blocks)
+    ts.unwrap(tight)
