@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ends (then the summary, and the model with save_model, each complete or absent).
     mixed = models.resolve_mixed_precision(cfg.mixed_precision)
     device = models.resolve_device(cfg.device)
+    models.cap_vram(cfg.vram_cap, device)
     if cfg.loop == "trainer" and device.type == "cuda" and device.index != 0:
         # The Trainer trains on the process's first visible GPU.
         raise ConfigError(f"device={cfg.device!r}: loop 'trainer' trains on cuda:0; pick the GPU with "

@@ -242,7 +242,7 @@ def test_every_field_is_overridable_from_the_command_line(recipe):
                "trainstream.min_activation_bytes": "1MiB", "trainstream.outliers": 0.01,
                "trainstream.prefetch": 0, "trainstream.overlap_step": True, "trainstream.host_arena_slab": "128MiB",
                "trainstream.data_parallel": False, "trainstream.expandable_segments": False,
-               "trainstream.elide_casts": False,
+               "trainstream.elide_casts": False, "vram_cap": "20GiB",
                "mixed_precision": "bf16", "lora.r": 4, "lora.dropout": 0.05,
                "lora.target_modules": ["q_proj", "v_proj"], "dpo.loss_type": "hinge", "dpo.corruptions": ["drop"],
                "grpo.rewards": ["exact_match", "char_position"], "grpo.loss_type": "grpo",

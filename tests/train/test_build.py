@@ -156,3 +156,18 @@ def test_output_dir_is_checked_without_creating_it(tmp_path):
         report.check_output_dir(str(tmp_path / "file"))
     with pytest.raises(NotADirectoryError, match="cannot be created"):
         report.check_output_dir(str(tmp_path / "file" / "run"))
+
+
+def test_vram_cap_is_refused_off_cuda_and_must_parse(monkeypatch):
+    from trainstream_hf.train.config import ConfigError
+
+    assert models.cap_vram(None, torch.device("cpu")) is None  # no cap: nothing to do anywhere
+    with pytest.raises(ConfigError, match=r"vram_cap='24GiB' caps the CUDA allocator, but the device is cpu"):
+        models.cap_vram("24GiB", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="vram_cap"):
+        models.cap_vram("lots", torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 96 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    dev = torch.device("cuda", 0)
+    assert models.cap_vram("24GiB", dev) == 24 * 2**30 and calls == [(0.25, dev)]

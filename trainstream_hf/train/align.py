@@ -64,6 +64,7 @@ def setup(recipe: str, cls: type, argv: list[str] | None, description: str) -> R
     cfg = parse_args(cls, argv, description=description)
     mixed = models.resolve_mixed_precision(cfg.mixed_precision)
     device = models.resolve_device(cfg.device)
+    models.cap_vram(cfg.vram_cap, device)
     if device.type == "cuda" and device.index != 0:
         # TRL's Trainer trains on the process's first visible GPU.
         raise ConfigError(f"device={cfg.device!r}: the dpo and grpo recipes train on cuda:0; pick the GPU with "

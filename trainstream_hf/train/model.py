@@ -22,7 +22,7 @@ from torch import nn
 
 from trainstream_hf.train.config import ConfigError
 
-__all__ = ["DTYPES", "resolve_device", "resolve_mixed_precision", "model_config", "skeleton", "materialize",
+__all__ = ["DTYPES", "resolve_device", "cap_vram", "resolve_mixed_precision", "model_config", "skeleton", "materialize",
            "build_model", "home_device", "lora_config", "add_lora", "count_parameters", "save_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +38,30 @@ def resolve_device(spec: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def cap_vram(spec: str | None, device: torch.device) -> int | None:
+    """Caps the CUDA caching allocator of ``device`` at ``spec`` bytes (``"24GiB"``, or None: no cap) with
+    ``torch.cuda.set_per_process_memory_fraction``, so that a larger GPU behaves like one of that size: what the
+    allocator reserves, fragmentation included, may not pass it (the CUDA context and cuBLAS workspaces outside
+    the allocator are not counted). Returns the cap in bytes.
+
+    Raises:
+        ConfigError: a cap on a device that is not CUDA, or a size that does not parse.
+    """
+    if spec is None:
+        return None
+    from trainstream_hf.config import parse_bytes
+
+    try:
+        cap = parse_bytes(spec, name="vram_cap")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if device.type != "cuda":
+        raise ConfigError(f"vram_cap={spec!r} caps the CUDA allocator, but the device is {device}; set vram_cap null")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    return cap
 
 
 def resolve_mixed_precision(spec: str, environ=None) -> str:

@@ -87,6 +87,8 @@ def plan_summary(plan) -> dict:
 
 
 def _git_commit() -> str | None:
+    if os.environ.get("TRAINSTREAM_COMMIT"):  # a copied tree (the GPU machine's) has no .git, or a stale one
+        return os.environ["TRAINSTREAM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)

@@ -220,6 +220,9 @@ class RecipeConfig:
         "auto", "Autocast of the forward pass: 'bf16', 'no', or 'auto': what accelerate launch's config file says "
                 "(its mixed_precision), 'no' without accelerate launch.")
     device: str = _opt("auto", "Compute device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'.")
+    vram_cap: str | None = _opt(None, "Cap the CUDA allocator at this size (e.g. '24GiB'): a larger GPU then behaves "
+                                      "like one of that size (torch.cuda.set_per_process_memory_fraction); null: no "
+                                      "cap. trainstream.vram_budget is what the plan aims for; this is the wall.")
     seed: int = _opt(0, "Seeds the weights' initialisation and the order of the batches.")
     output_dir: str = _opt("build/run", "Where summary.json (and the model, with save_model) are written.")
     save_model: bool = _opt(False, "Also save the trained model and tokenizer to output_dir/model.")
