@@ -24,7 +24,7 @@ TORCH_LIBRARY(trainstream, m) {
   m.def(
       "adamw_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
       "Tensor(d!)? param_bf16, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "int step, bool maximize) -> ()");
+      "int step, bool maximize, int num_threads=0) -> ()");
 
   // Frozen-weight formats (trainstream_hf/quant/formats.py). weight: (out_features, in_features) float32 /
   // bfloat16 / float16. NF4: 4-bit NormalFloat codes, absmax per 64 weights double-quantised to E4M3 per 256.

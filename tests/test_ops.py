@@ -126,3 +126,20 @@ def test_adamw_bad_isa(monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_CPU_ISA", "sse9")
     with pytest.raises(RuntimeError, match="TRAINSTREAM_CPU_ISA must be"):
         ops.adamw_step_(_rand(8, 1), torch.zeros(8), torch.zeros(8), _rand(8, 2), lr=1e-3, step=1)
+
+
+def test_adamw_num_threads_does_not_change_the_bits():
+    """The native pool may be capped (the engine's worker leaves the kernel-launching thread a core); every
+    element's update is its own, so any thread count gives the same bits."""
+    n = 1_000_003
+    grad = _rand(n, 11)
+    results = []
+    for threads in (0, 1, 3):
+        p, m, v = _rand(n, 1), _rand(n, 2) * 0.1, _rand(n, 3).abs() * 0.01
+        out = torch.empty(n, dtype=torch.bfloat16)
+        ops.adamw_step_(p, m, v, grad, lr=1e-3, weight_decay=0.1, step=3, param_bf16=out, num_threads=threads)
+        results.append((p, m, v, out))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with pytest.raises(RuntimeError, match="num_threads must be >= 0"):
+        ops.adamw_step_(*results[0][:3], grad, lr=1e-3, step=4, num_threads=-1)

@@ -62,7 +62,7 @@ def div_scalar(t: torch.Tensor, c: float) -> torch.Tensor:
 def adamw_step_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 grad: torch.Tensor, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 0.01, step: int,
-                maximize: bool = False, param_bf16: torch.Tensor | None = None) -> None:
+                maximize: bool = False, param_bf16: torch.Tensor | None = None, num_threads: int = 0) -> None:
     """One AdamW step over fp32 master weights, in place (CPU kernel).
 
     The maths is torch.optim.AdamW's (Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
@@ -84,14 +84,16 @@ def adamw_step_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
         maximize: ascend instead of descend.
         param_bf16: optional bf16 tensor, same numel, that receives bf16(param) after the update
             (round to nearest even) in the same pass.
+        num_threads: threads of the native pool to use (0: ``torch.get_num_threads()``); the bits do not depend
+            on it (elementwise).
     """
     torch.ops.trainstream.adamw_step_.default(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1,
-                                              beta2, eps, weight_decay, step, maximize)
+                                              beta2, eps, weight_decay, step, maximize, num_threads)
 
 
 @torch.library.register_fake("trainstream::adamw_step_")
 def _adamw_step_fake(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1, beta2, eps, weight_decay,
-                     step, maximize):
+                     step, maximize, num_threads=0):
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         torch._check(t.dtype == torch.float32, lambda: f"adamw_step_: {name} must be float32, got {t.dtype}")
         torch._check(t.numel() == param.numel(), lambda: f"adamw_step_: {name} numel differs from param's")
@@ -106,7 +108,7 @@ def _adamw_step_fake(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1, be
 
 
 def adamw_step_reference(param, exp_avg, exp_avg_sq, grad, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
-                         weight_decay=0.01, step, maximize=False, param_bf16=None) -> None:
+                         weight_decay=0.01, step, maximize=False, param_bf16=None, num_threads=0) -> None:
     """Pure-PyTorch AdamW step with the same signature and maths as :func:`adamw_step_`.
 
     Written as torch.optim.AdamW's single-tensor path is, so that the two agree to rounding.

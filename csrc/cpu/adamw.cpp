@@ -219,7 +219,7 @@ void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                     const at::Tensor& grad, const std::optional<at::Tensor>& param_bf16, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    bool maximize) {
+                    bool maximize, int64_t num_threads) {
   const int64_t n = param.numel();
   check_buffer(param, "param", at::kFloat, n);
   check_buffer(exp_avg, "exp_avg", at::kFloat, n);
@@ -229,6 +229,7 @@ void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_
   check_buffer(grad, "grad", grad.scalar_type(), n);
   if (param_bf16.has_value()) check_buffer(*param_bf16, "param_bf16", at::kBFloat16, n);
   TORCH_CHECK(step >= 1, "adamw_step_: step counts updates from 1, got ", step);
+  TORCH_CHECK(num_threads >= 0, "adamw_step_: num_threads must be >= 0 (0: the default), got ", num_threads);
   TORCH_CHECK(lr >= 0.0 && eps >= 0.0 && weight_decay >= 0.0,
               "adamw_step_: lr, eps and weight_decay must be >= 0, got ", lr, ", ", eps, ", ", weight_decay);
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0,
@@ -254,7 +255,8 @@ void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_
   const Isa isa = detect_isa();
   constexpr int64_t kGrain = 1 << 16;
   // Chunks start at multiples of 16 elements so every thread's loads stay 64-byte aligned.
-  global_pool().parallel_for((n + 15) / 16, kGrain / 16, default_num_threads(), [&](int64_t b, int64_t e) {
+  const int threads = num_threads > 0 ? static_cast<int>(num_threads) : default_num_threads();
+  global_pool().parallel_for((n + 15) / 16, kGrain / 16, threads, [&](int64_t b, int64_t e) {
     const int64_t lo = b * 16, hi = std::min(n, e * 16);
     if (lo >= hi) return;
     uint16_t* o = out ? out + lo : nullptr;

@@ -18,11 +18,12 @@ namespace trainstream {
 // csrc/cpu/adamw.cpp -------------------------------------------------------------------------
 // One AdamW step (torch.optim.AdamW maths, decoupled weight decay, bias correction) over fp32
 // master weights, in place. grad is fp32 or bf16; param_bf16, when given, receives bf16(param)
-// after the update in the same pass. All tensors contiguous, same numel, on the CPU.
+// after the update in the same pass. All tensors contiguous, same numel, on the CPU. num_threads > 0 caps
+// the threads (0: at::get_num_threads()); the result does not depend on it.
 void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                     const at::Tensor& grad, const std::optional<at::Tensor>& param_bf16, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    bool maximize);
+                    bool maximize, int64_t num_threads);
 
 // csrc/cpu/quant.cpp ------------------------------------------------------------------------
 // NF4 and NVFP4 weight formats (layouts in trainstream_hf/quant/formats.py; maths in the *_reference functions
