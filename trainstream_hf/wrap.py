@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import replace
 
 import torch
@@ -96,6 +97,8 @@ class Engine:
         streams.timeline = self.timeline
         hooks.add(_StepClock(self))
         self._gc = GcPauses().start()  # Python GC pauses per step (engine/gcstats.py)
+        # A model dropped without unwrap must not leave the counter in gc.callbacks for the life of the process.
+        weakref.finalize(self, self._gc.stop)
 
     # -- statistics -------------------------------------------------------------------------------
     def _begin_step(self) -> None:

@@ -37,3 +37,15 @@ def test_wrapped_forward_without_backward_leaves_nothing_alive():
     model(input_ids=ids)       # grad enabled, no backward (e.g. an evaluation pass without no_grad)
     assert refs and all(r() is None for r in refs)
     ts.unwrap(model)
+
+
+def test_a_model_dropped_without_unwrap_leaves_no_gc_callback():
+    import gc
+
+    before = len(gc.callbacks)
+    model, _ = ts.wrap(_llama(), None, vram_budget="64GiB", host_arena=None)
+    assert len(gc.callbacks) == before + 1  # the engine counts GC pauses per step
+    engine = weakref.ref(ts.engine_of(model))
+    del model
+    gc.collect()
+    assert engine() is None and len(gc.callbacks) == before
