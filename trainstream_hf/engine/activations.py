@@ -23,6 +23,7 @@ saved several times (the normed hidden state feeds q, k and v) is copied once.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -79,13 +80,16 @@ class Prefetch:
     limit: int = 0
     grads: int = 0
 
+    def __post_init__(self) -> None:
+        self._below = list(itertools.accumulate(self.resident))  # resident bytes of blocks 0..i, per i
+
     def allowance(self, i: int) -> int:
         """Bytes that may be on their way for blocks below ``i`` when block ``i``'s backward starts: what the
         bound leaves beside the lower blocks' resident bytes, block ``i``'s own and the gradients. (Block
         ``i-1`` is fetched then whatever this says: it is needed next.)"""
         if not self.resident:
             return 0
-        used = sum(self.resident[:i + 1]) + self.current[i] + self.grads
+        used = self._below[i] + self.current[i] + self.grads
         return self.limit - used
 
 
