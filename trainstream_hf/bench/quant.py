@@ -19,15 +19,10 @@ on the CPU; peak memory over the timed steps):
   (the path on sm_90 and the CPU: FP4 tensor cores need sm_100+) and nvfp4 W4A4 (``act_quant=True``; run only on
   a GPU of compute capability 10.0 or more, where FP4 tensor cores exist). ``path`` is the matmul path the layer
   selected on the device (its name says whether it is a tensor-core path or an emulation).
-* ``nf4_ahead``: the nf4 row with dequant-ahead on (:mod:`trainstream_hf.quant.ahead`: the next layer's weight is
-  decoded on a side CUDA stream under the current layer's GEMM; on the CPU it is a no-op, so the row times the plain
-  nf4 path there). Only this row runs with it; every other row runs without, whatever ``TRAINSTREAM_DEQUANT_AHEAD``
-  says. ``ahead`` gives its hits over the timed steps; ``dequant_ahead`` in the JSON the counters over the timed steps
-  and over all steps (warm-up included: the order is learned in the first two).
 
-Targets (issue 4, for the H200): nf4 (and nf4_ahead) <= 0.8x bnb nf4; fp8 W8A8 <= 0.75x bf16; nvfp4 on sm_90 <= 1.0x
-bnb nf4; dequantize kernels >= 70% of the device copy bandwidth. ``meets`` is filled on CUDA only (a CPU run is a
-smoke test of the suite, not a measurement the targets speak of).
+Targets (issue 4, for the H200): nf4 <= 0.8x bnb nf4; fp8 W8A8 <= 0.75x bf16; nvfp4 on sm_90 <= 1.0x bnb nf4;
+dequantize kernels >= 70% of the device copy bandwidth. ``meets`` is filled on CUDA only (a CPU run is a smoke
+test of the suite, not a measurement the targets speak of).
 
 Dequantize rows: ``dequantize(q, torch.bfloat16)`` of the block's down-projection weight (hidden x intermediate,
 4096 x 14336 for Llama-3-8B) per format; GB/s counts the packed bytes read plus the bf16 bytes written, against a
@@ -46,7 +41,6 @@ from trainstream_hf.bench.harness import default_device, free_memory, measure_tr
 from trainstream_hf.bench.models import model_config
 from trainstream_hf.bench.peers import _guarded
 from trainstream_hf.quant import FORMATS, QuantLinear, dequantize, quantize
-from trainstream_hf.quant import ahead
 
 GiB, MiB = 2**30, 2**20
 
@@ -54,7 +48,6 @@ GiB, MiB = 2**30, 2**20
 QUANT_ROWS: dict[str, tuple[str, bool, float, str]] = {
     "int8": ("int8", False, 0.0, "trainstream int8 (weight-only)"),
     "nf4": ("nf4", False, 0.0, "trainstream nf4 (weight-only)"),
-    "nf4_ahead": ("nf4", False, 0.0, "trainstream nf4 (weight-only), dequant-ahead"),
     "fp8": ("fp8", True, 0.0, "trainstream fp8 W8A8"),
     "fp8_outliers": ("fp8", True, 0.01, "trainstream fp8 W8A8, outliers 1%"),
     "fp8_wo": ("fp8", False, 0.0, "trainstream fp8 weight-only"),
@@ -63,9 +56,7 @@ QUANT_ROWS: dict[str, tuple[str, bool, float, str]] = {
 }
 ROWS = ("bf16", "bnb_nf4") + tuple(QUANT_ROWS) + ("dequant",)
 # key -> (peer row key, max ratio): issue 4's performance targets
-TARGETS: dict[str, tuple[str, float]] = {"nf4": ("bnb_nf4", 0.8), "nf4_ahead": ("bnb_nf4", 0.8), "fp8": ("bf16", 0.75),
-                                         "nvfp4": ("bnb_nf4", 1.0)}
-AHEAD_ROWS = frozenset({"nf4_ahead"})  # rows run with dequant-ahead on (all others with it off)
+TARGETS: dict[str, tuple[str, float]] = {"nf4": ("bnb_nf4", 0.8), "fp8": ("bf16", 0.75), "nvfp4": ("bnb_nf4", 1.0)}
 DEQUANT_TARGET = 0.70  # of the measured device copy bandwidth
 
 
@@ -132,17 +123,15 @@ def _dense(w: torch.Tensor) -> torch.nn.Linear:
 
 
 def _measure(key: str, name: str, make_layers, *, linears, tokens, device, warmup, repeats, seed,
-             fields: dict, wrap=None) -> dict:
+             fields: dict) -> dict:
     """Times :func:`block_step` over the layers ``make_layers(weights)`` builds (inside the harness's setup, so the
-    layers are released before the next row); ``fields`` is read after the setup, which may add to it. ``wrap``:
-    ``step -> step`` applied to the timed step function (e.g. to count its calls)."""
+    layers are released before the next row); ``fields`` is read after the setup, which may add to it."""
     fields["key"] = key
 
     def setup():
         layers = make_layers(block_weights(linears, device, seed))
         xs, leaves, grads = block_inputs(linears, tokens, device, seed + 1)
-        step = block_step(layers, xs, leaves, grads)
-        return (step if wrap is None else wrap(step)), None
+        return block_step(layers, xs, leaves, grads), None
 
     return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats, tokens=tokens,
                             fields=fields)
@@ -214,34 +203,8 @@ def quant_row(key: str, linears, tokens, device, warmup, repeats, seed=0) -> dic
         fields["weight_bytes"] = sum(layer.weight.nbytes for layer in layers)
         return layers
 
-    use_ahead = key in AHEAD_ROWS
-    was = ahead.dequant_ahead_enabled()
-    ahead.set_dequant_ahead(use_ahead)
-    ahead.reset_dequant_ahead()
-    at_timing: dict = {}
-
-    def counted(step):
-        calls = [0]
-
-        def run():
-            if calls[0] == warmup:  # measure_training runs `warmup` steps, then the timed ones
-                at_timing.update(ahead.dequant_ahead_stats())
-            calls[0] += 1
-            return step()
-        return run
-
-    try:
-        row = _measure(key, name, make, linears=linears, tokens=tokens, device=device, warmup=warmup,
-                       repeats=repeats, seed=seed, fields=fields, wrap=counted if use_ahead else None)
-        if use_ahead:
-            total = ahead.dequant_ahead_stats()
-            timed = {k: total[k] - at_timing.get(k, 0) for k in ahead.STAT_KEYS}
-            row["dequant_ahead"] = {"timed_steps": timed, "all_steps": total}
-            row["ahead"] = f"{timed['hits']}/{timed['requests']} hits" if timed["requests"] else "no-op (not CUDA)"
-    finally:
-        ahead.set_dequant_ahead(was)  # drops the decoded weight it holds
-        ahead.reset_dequant_ahead()
-    return row
+    return _measure(key, name, make, linears=linears, tokens=tokens, device=device, warmup=warmup,
+                    repeats=repeats, seed=seed, fields=fields)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int, warmup: int = 2) -> dict:
@@ -337,8 +300,7 @@ def run(shape: Optional[str] = None, seq: Optional[int] = None, warmup: Optional
     payload: dict = {"suite": "quant", "quick": quick, "shape": shape, "tokens": seq, "warmup": warmup,
                      "repeats": repeats, "device": str(device), "flops_per_step": flops,
                      "linears": [{"name": nm, "in_features": k, "out_features": n} for nm, k, n in linears],
-                     "targets": {"nf4": "<= 0.8x bitsandbytes nf4", "nf4_ahead": "<= 0.8x bitsandbytes nf4",
-                                 "fp8": "<= 0.75x bf16 nn.Linear",
+                     "targets": {"nf4": "<= 0.8x bitsandbytes nf4", "fp8": "<= 0.75x bf16 nn.Linear",
                                  "nvfp4": "<= 1.0x bitsandbytes nf4 (sm_90)",
                                  "dequant": f">= {DEQUANT_TARGET:.0%} of the device copy bandwidth"}}
     results = []
@@ -366,7 +328,7 @@ def run(shape: Optional[str] = None, seq: Optional[int] = None, warmup: Optional
     md = [f"### Quantized linear layers, one {shape} block ({len(linears)} linear layers), {seq} tokens bf16, "
           f"forward + input gradient, {where}; median of {repeats} after {warmup}",
           markdown_table(table, ["name", "path", "status", "step_ms", "tflops", "x_bf16", "x_bnb", "target",
-                                 "meets", "weight_MiB", "alloc_GiB", "ahead"])]
+                                 "meets", "weight_MiB", "alloc_GiB"])]
     if payload["dequant"]:
         n, k = payload["dequant"][0]["shape"]
         md += [f"### dequantize -> bf16, {n} x {k} weight; device copy {bw['GBps']:.1f} GB/s "

@@ -40,12 +40,11 @@ class _QuantLinearFunction(torch.autograd.Function):
     """``y = x W_hat^T`` through a :class:`~trainstream_hf.quant.matmul.MatmulPath`; ``dx = path.backward(dy)``.
 
     The packed tensors are inputs and are saved with ``save_for_backward`` (not on ``ctx``), so saved-tensor hooks
-    see them: the engine's pager turns saved views of a paged block's weights into references. ``module`` is the
-    calling QuantLinear: its identity keys the dequant-ahead cache (:mod:`~trainstream_hf.quant.ahead`).
+    see them: the engine's pager turns saved views of a paged block's weights into references.
     """
 
     @staticmethod
-    def forward(ctx, x, path, fmt, shape, dtype, k, module, *packed):
+    def forward(ctx, x, path, fmt, shape, dtype, k, *packed):
         q = QuantizedTensor(fmt, shape, dict(zip(fmt.tensor_names, packed)), dtype)
         x2d = x.reshape(-1, shape[1])
         if x2d.shape[0] == 0:
@@ -55,22 +54,22 @@ class _QuantLinearFunction(torch.autograd.Function):
         else:
             # x itself as the source: the layers that read the same x share its quantization
             # (matmul.quantize_activation); the outlier path above quantizes a modified copy, never shared.
-            y = path.forward(x2d, q, x, module).to(x.dtype)
+            y = path.forward(x2d, q, x).to(x.dtype)
         ctx.save_for_backward(*packed)
-        ctx.meta = (path, fmt, shape, dtype, module)
+        ctx.meta = (path, fmt, shape, dtype)
         return y.view(*x.shape[:-1], shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         matmul.forget_activation()  # the forward is over: no activation quantization is reused into the next step
-        path, fmt, shape, dtype, module = ctx.meta
+        path, fmt, shape, dtype = ctx.meta
         dx = None
         if ctx.needs_input_grad[0]:
             # ctx.saved_tensors is read once: under torch.utils.checkpoint (use_reentrant=False) a second read raises.
             q = QuantizedTensor(fmt, shape, dict(zip(fmt.tensor_names, ctx.saved_tensors)), dtype)
             dy2d = dy.reshape(-1, shape[0])
-            dx = path.backward(dy2d, q, module).view(*dy.shape[:-1], shape[1])
-        return (dx, None, None, None, None, None, None) + (None,) * len(fmt.tensor_names)
+            dx = path.backward(dy2d, q).view(*dy.shape[:-1], shape[1])
+        return (dx, None, None, None, None, None) + (None,) * len(fmt.tensor_names)
 
 
 class QuantLinear(nn.Module):
@@ -87,9 +86,7 @@ class QuantLinear(nn.Module):
     is computed by the matmul path :func:`~trainstream_hf.quant.matmul.select_path` picks for (format, device,
     ``act_quant``); its numerics are documented in :mod:`trainstream_hf.quant.matmul`:
 
-    * weight-only (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): exactly ``F.linear(x, dequantize(W, x.dtype))``
-      (with :func:`~trainstream_hf.quant.ahead.set_dequant_ahead` on, the next layer's weight is decoded on a side
-      CUDA stream meanwhile: same bits);
+    * weight-only (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): exactly ``F.linear(x, dequantize(W, x.dtype))``;
     * fp8 with ``act_quant=True`` (default on the CPU and on sm_89+ GPUs): W8A8, activations quantized per token to
       E4M3, float32 accumulation; on sm_89+ through ``torch._scaled_mm`` (FP8 tensor cores), whose backward is FP8 too.
       Layers called one after another on the same input tensor (q / k / v, gate / up) quantize it once
@@ -193,9 +190,8 @@ class QuantLinear(nn.Module):
     @property
     def weight(self) -> QuantizedTensor:
         """The packed weight (a view of this module's ``weight_*`` parameters; nothing is copied or decoded)."""
-        params = self._parameters  # not getattr: the dequant-ahead cache reads it once per layer call
         return QuantizedTensor(self.fmt, (self.out_features, self.in_features),
-                               {n: params[_PREFIX + n] for n in self.fmt.tensor_names}, self.weight_dtype)
+                               {n: getattr(self, _PREFIX + n) for n in self.fmt.tensor_names}, self.weight_dtype)
 
     @weight.setter
     def weight(self, value) -> None:
@@ -237,7 +233,7 @@ class QuantLinear(nn.Module):
             path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
         y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features), self.weight_dtype,
-                                       k, self, *packed)
+                                       k, *packed)
         bias = params["bias"]
         if bias is not None:
             y = y + bias.to(y.dtype)

@@ -10,9 +10,7 @@ Paths:
 * ``dequant`` (int8, nf4; fp8 / nvfp4 with ``act_quant=False``): weight-only. ``y = F.linear(x, dequantize(W,
   x.dtype))``: exactly ``nn.Linear`` over the dequantized weight rounded once to the activation dtype (float32,
   bfloat16 or float16), so the matmul accumulates as torch's does for that dtype. ``dequantize`` is one fused native
-  kernel per format on the CPU and on CUDA. Backward ``dx = dy @ dequantize(W, dy.dtype)``. With dequant-ahead on
-  (:mod:`~trainstream_hf.quant.ahead`, off by default) the decode of the next layer's weight is issued on a side CUDA
-  stream under this layer's GEMM; the same kernel on the same bytes, so the same bits.
+  kernel per format on the CPU and on CUDA. Backward ``dx = dy @ dequantize(W, dy.dtype)``.
 * ``fp8_w8a8_scaled_mm`` (fp8, ``act_quant=True``, CUDA sm_89+): FP8 tensor cores through ``torch._scaled_mm`` with
   row-wise scales, forward and backward.
 
@@ -72,8 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from trainstream_hf import ops
-from trainstream_hf.quant import ahead
-from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor
+from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize
 
 __all__ = ["MatmulPath", "select_path", "default_act_quant", "ACT_QUANT_FORMATS", "TENSOR_CORE_CAPABILITY",
            "quantize_rows_e4m3", "quantize_activation", "forget_activation", "quantize_nvfp4_activations",
@@ -86,12 +83,11 @@ class MatmulPath:
 
     name: str
     quantizes_activations: bool  # outlier protection applies only where this is True
-    # (x (T, K), q, src=None, key=None) -> (T, N), float32 or x.dtype. src: the caller's tensor that x is a 2-D view
-    # of (x = src.reshape(-1, K)), passed where the path may reuse src's quantization (quantize_activation); None: x
-    # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh. key: the
-    # QuantLinear that q belongs to, for the dequant-ahead cache (ahead.dense) where the path decodes the weight.
+    # (x (T, K), q, src=None) -> (T, N), float32 or x.dtype. src: the caller's tensor that x is a 2-D view of
+    # (x = src.reshape(-1, K)), passed where the path may reuse src's quantization (quantize_activation); None: x
+    # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh.
     forward: Callable[..., torch.Tensor]
-    backward: Callable[..., torch.Tensor]  # (dy (T, N), q, key=None) -> dx (T, K) in dy.dtype
+    backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
 
 
 def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -262,22 +258,21 @@ def _nvfp4_weight_operand(q: QuantizedTensor) -> torch.Tensor:
 # Paths
 # --------------------------------------------------------------------------------------------------------------
 
-def _dequant_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None, key=None) -> torch.Tensor:
-    return F.linear(x, ahead.dense(q, x.dtype, key))
+def _dequant_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize(q, x.dtype))
 
 
-def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor, key=None) -> torch.Tensor:
-    return dy.mm(ahead.dense(q, dy.dtype, key))
+def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    return dy.mm(dequantize(q, dy.dtype))
 
 
-def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None, key=None) -> torch.Tensor:
+def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     xq, sx = quantize_activation(x, src)
     acc = xq.float().mm(q.tensors["data"].float().t())
     return acc * sx * q.tensors["scale"]
 
 
-def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None,
-                        key=None) -> torch.Tensor:
+def _nvfp4_w4a4_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     xv, ts = quantize_nvfp4_activations(x)
     return xv.mm(_nvfp4_weight_operand(q).t()) * (ts * q.tensors["tensor_scale"])
 
@@ -301,8 +296,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None,
-                           key=None) -> torch.Tensor:
+def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     if not _scaled_mm_ok(x.dtype, q):
         return _fp8_w8a8_forward(x, q, src)
     xq, sx = quantize_activation(x, src)
@@ -331,9 +325,9 @@ def _ones_row(k: int, device: torch.device) -> torch.Tensor:
     return ones
 
 
-def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor, key=None) -> torch.Tensor:
+def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     if not _scaled_mm_ok(dy.dtype, q):
-        return _dequant_backward(dy, q, key)
+        return _dequant_backward(dy, q)
     gq, sg = quantize_rows_e4m3(dy, q.tensors["scale"])  # dy * s_w, per token to E4M3
     # The (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled byte transpose: torch's strided
     # copy moves bytes at a fraction of memory bandwidth).
