@@ -308,7 +308,8 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
             own = t.untyped_storage().data_ptr()
             if own not in params:
                 raw[own] = t.untyped_storage().nbytes()
-            held.extend((kept, t) if kept is not t else (kept,))  # alive until the block ends, as in training (else its memory is reused: miscounted)
+            # alive until the block ends, as in training (else its memory is reused: miscounted)
+            held.extend((kept, t) if kept is not t else (kept,))
         # Not the tensor: this forward never runs backward, and a node holding its own output through a pack
         # hook is a reference cycle through C++ that Python's gc cannot see. Returning t leaked every measured
         # forward's activations (two forwards of two blocks: ~1.3 GiB on the 8B LoRA, an OOM on the H200).
@@ -433,9 +434,11 @@ def _prefer_recompute_when_paging(pl: Plan, page) -> None:
     (each one 2 x its bytes less traffic per step). So the activation layout is redone for paging: recompute
     every block that can be, then page as few blocks as fit, then give the slack back to the last blocks'
     activations (kept: no recompute, no traffic). Kept only if it moves fewer PCIe bytes than the layout chosen
-    before paging (which spaced offloaded blocks by their copy time, never recomputing when one copy hides under
-    one block's forward: at a tight budget recomputing can even avoid paging altogether) (history: the 32B LoRA at 24 GiB offloaded 21 blocks' activations, 13.6 GB of its 107 GB H2D
-    per step, benchmarks/NOTES.md, session 6)."""
+    before paging, which spaced offloaded blocks by their copy time and never recomputed when one copy hides under
+    one block's forward (at a tight budget recomputing can even avoid paging altogether).
+
+    History: the 32B LoRA at 24 GiB offloaded 21 blocks' activations, 13.6 GB of its 107 GB H2D per step, and ran
+    out of memory; with this layout it trains at 89% of the link (benchmarks/NOTES.md, sessions 6 and 7)."""
     before = [(b.activations, b.weights) for b in pl.blocks]
     fitted, moved, peak = pl.fits(), pl.pcie_bytes(), pl.predicted_peak()
     for b in pl.blocks:

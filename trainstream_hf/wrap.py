@@ -365,6 +365,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         for b, home in zip(blocks, homes):
             if home != {device}:
                 b.to(next(iter(home)) if len(home) == 1 else "cpu")
+
         def make_plan(activation_bytes):
             return planner.plan(
                 model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,

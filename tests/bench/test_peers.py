@@ -261,7 +261,8 @@ def test_peers_help_names_every_row(capsys):
         main(["engine", "--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse folds the long lists anywhere, even inside a word
     text = text[text.index("subsetof:"):]  # the --peers help (--shape's help says "quant:" too)
-    lists = [re.search(marker + r"([a-z0-9_,]+)", text).group(1) for marker in ("subsetof:", "engine:thoseand", "quant:")]
+    lists = [re.search(marker + r"([a-z0-9_,]+)", text).group(1)
+             for marker in ("subsetof:", "engine:thoseand", "quant:")]
     listed = {name for names in lists for name in names.split(",")}
     assert set(peers.PEERS) <= listed
     assert set(engine.JOBS) <= listed and set(quant.ROWS) <= listed
