@@ -400,3 +400,13 @@ def test_forward_backlog_counts_a_copy_still_running():
     before = pl.predicted_peak()
     pl.forward_seconds = None               # unknown: no backlog (as on the CPU, where copies are synchronous)
     assert pl.forward_backlog() == 0 and pl.predicted_peak() <= before
+
+
+def test_recompute_true_is_kept_when_paging():
+    """recompute=True means every block that can be recomputed is: the paged layout does not give blocks back their
+    activations, whatever the slack."""
+    model = _llama(layers=6)
+    recomputed = _plan(model, offload_optimizer=False, recompute=True)
+    budget = recomputed.margin + recomputed.predicted_peak() - recomputed.blocks[0].weight_bytes
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=True)
+    assert pl.paged_blocks and pl.recomputed_blocks == list(range(len(pl.blocks)))

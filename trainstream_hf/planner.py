@@ -576,7 +576,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             s = max(1, math.ceil(a / pl.pcie_bps / (COPY_WINDOW * forward_seconds)))
         for keep in range(n - 1, -1, -1):
             for b in block_plans:
-                if b.index >= n - keep:
+                if recompute is True and b.can_recompute:
+                    b.activations = "recompute"  # asked for every block that can be
+                elif b.index >= n - keep:
                     b.activations = "device"
                 elif (b.index % s == 0 and b.index + s <= n) or not b.can_recompute or recompute is False:
                     b.activations = "host"
@@ -599,7 +601,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                 b.weights = "host"
 
         page()
-        if page_weights == "auto" and offload_activations == "auto" and recompute is not False:
+        if page_weights == "auto" and offload_activations == "auto" and recompute == "auto":
             _prefer_recompute_when_paging(pl, page)
     # wrap() sends the gradients of paged trainable weights straight into their host masters (the weight is
     # not on the device after its block has run), so the plan must count host gradients, not device ones.
