@@ -180,3 +180,21 @@ def test_trainer_leaves_a_model_that_does_not_fit_to_the_engine(monkeypatch, tmp
     monkeypatch.setattr(integ, "_does_not_fit", lambda m, d: False)
     TrainStreamTrainer(model=model, args=args, train_dataset=_data())
     assert len(moved) == 1
+
+
+@pytest.mark.parametrize("trainstream", ["on", "off"])
+def test_quantized_model_without_adapters_is_refused(tmp_path, trainstream):
+    """Packed linear layers cannot train; without PEFT adapters only embeddings and norms would: a clear error with
+    the fix, from the engine trainers (engine on or off) and from the callback on a stock Trainer."""
+    from trainstream_hf.quant import quantize_model
+
+    model = quantize_model(_model(), "nf4")
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream=trainstream, max_steps=1,
+                                        per_device_train_batch_size=2, report_to="none", use_cpu=True,
+                                        save_strategy="no")
+    with pytest.raises(ValueError, match=r"packed \(QuantLinear.*no PEFT adapters.*quant_lora_config"):
+        TrainStreamTrainer(model=model, args=args, train_dataset=[])
+    with pytest.raises(ValueError, match=r"TrainStreamCallback: the model's linear layers are packed"):
+        TrainStreamCallback(vram_budget="64GiB").install(args, model, torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad]))
+

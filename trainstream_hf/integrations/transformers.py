@@ -29,6 +29,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
@@ -53,6 +54,25 @@ def log_figures(stats: dict) -> dict[str, float]:
     if isinstance(opt.get("adam_seconds"), float):
         out["trainstream/cpu_adamw_seconds"] = opt["adam_seconds"]
     return out
+
+
+def refuse_quantized_without_adapters(model: nn.Module, who: str) -> None:
+    """A model whose linear layers are packed (:class:`~trainstream_hf.quant.QuantLinear`: frozen, no weight
+    gradient) but that carries no PEFT adapters would train only its embeddings and norms: almost certainly not what
+    was meant, so the trainers refuse it with the fix.
+
+    Raises:
+        ValueError: ``model`` has QuantLinear layers and no ``peft_config`` (neither a ``PeftModel`` nor a model with
+            adapters loaded through transformers' ``load_adapter``).
+    """
+    if getattr(model, "peft_config", None):
+        return
+    packed = next((n for n, m in model.named_modules() if isinstance(m, QuantLinear)), None)
+    if packed is not None:
+        raise ValueError(f"{who}: the model's linear layers are packed (QuantLinear, e.g. {packed}): a frozen base that "
+                         "cannot train, and the model has no PEFT adapters, so only its embeddings and norms would. "
+                         "Add LoRA first: peft.get_peft_model(model, "
+                         "trainstream_hf.integrations.peft.quant_lora_config(model, r=16))")
 
 
 class TrainStreamCallback(TrainerCallback):
@@ -108,6 +128,7 @@ class TrainStreamCallback(TrainerCallback):
         if self.config.grads == "host" and args.max_grad_norm:
             raise ValueError("TrainStreamCallback: grads='host' keeps gradients where the Trainer's clipping "
                              "cannot see them; set max_grad_norm=0 or use grads='device'")
+        refuse_quantized_without_adapters(model, "TrainStreamCallback")
         shape = self.config.batch_shape or (args.per_device_train_batch_size,
                                              getattr(getattr(model, "config", None), "max_position_embeddings",
                                                      2048) or 2048)
@@ -285,6 +306,7 @@ class EngineTrainerMixin:
         return cfg
 
     def _ts_attach(self, cfg: TrainStreamConfig | None, unwrap_at_end: bool = True) -> None:
+        refuse_quantized_without_adapters(self.model, type(self).__name__)
         self._ts_callback = TrainStreamCallback(cfg, unwrap_at_end=unwrap_at_end) if cfg is not None else None
         if self._ts_callback is not None:
             self.add_callback(self._ts_callback)
