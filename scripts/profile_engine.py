@@ -7,10 +7,8 @@ with different activation options, prints the plan, times 5 steps, then profiles
 CPU ops, the compute stream's busy time against the wall time (what is exposed), and the engine's own stats.
 A Chrome trace of the profiled steps goes to $OUT/profile-engine-<variant>.json.gz when OUT is set.
 """
-import gzip
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -23,6 +21,8 @@ from trainstream_hf.bench.harness import vram_cap
 from trainstream_hf.bench.peers import LORA, _batch, _plain_step
 from trainstream_hf.train.model import add_lora
 
+from profiling import busy_time_us, export_trace  # scripts/profiling.py
+
 VARIANTS = {
     "default": {},
     "nf4": {"quantize": "nf4"},                          # the ts_nf4 row: NF4 base built packed, LoRA r16
@@ -30,24 +30,6 @@ VARIANTS = {
     "recompute_only": dict(offload_activations=False),   # the plan may only keep or recompute
     "offload_only": dict(recompute=False),               # the plan may only keep or offload
 }
-
-
-def busy_time_us(events, stream_filter=None) -> float:
-    """Union of the intervals of CUDA kernels (on any stream): the GPU's busy time."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
-                   and "Memset" not in e.name)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    return busy
 
 
 def main():
@@ -99,12 +81,7 @@ def main():
                   f"({100 * busy / wall:.0f}%), idle {(wall - busy) / 1e3:.1f} ms")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
-            if out:
-                path = os.path.join(out, f"profile-engine-{name}.json")
-                prof.export_chrome_trace(path)
-                with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-                    shutil.copyfileobj(f, g)
-                os.remove(path)
+            export_trace(prof, out, f"profile-engine-{name}")
             if wrap:
                 ts.unwrap(model)
             del model, opt, step, prof

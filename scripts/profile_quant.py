@@ -8,9 +8,7 @@ time against the wall time, and the CPU ops. Issue 4's FP8 target is 0.75x bf16;
 this splits its time between the FP8 GEMMs (torch._scaled_mm), the activation / gradient quantization and the weight
 transpose of the backward. Chrome traces go to $OUT/profile-quant-<row>.json.gz when OUT is set.
 """
-import gzip
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -22,6 +20,8 @@ from trainstream_hf.bench.quant import (QUANT_ROWS, _dense, block_inputs, block_
                                         block_weights)
 from trainstream_hf.quant import QuantLinear
 from trainstream_hf.quant.formats import quantize
+
+from profiling import busy_time_us, export_trace  # scripts/profiling.py
 
 
 def layers_for(row: str, linears, device):
@@ -62,17 +62,12 @@ def main():
                 k = kernels.setdefault(e.name, [0.0, 0])
                 k[0] += e.time_range.elapsed_us() / 5
                 k[1] += 1
-        busy = sum(t for t, _ in kernels.values())
+        busy = busy_time_us(prof.events()) / 5
         print(f"per step: wall {wall / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms ({100 * busy / wall:.0f}% busy)")
         for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]:
             print(f"  {t / 1e3:8.3f} ms  x{n // 5:<3d} {name[:110]}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
-        if out:
-            path = os.path.join(out, f"profile-quant-{row}.json")
-            prof.export_chrome_trace(path)
-            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-                shutil.copyfileobj(f, g)
-            os.remove(path)
+        export_trace(prof, out, f"profile-quant-{row}")
         del layers, xs, leaves, grads, step, prof
         torch.cuda.empty_cache()
 
