@@ -6,7 +6,9 @@ For each row: the block's 7 layers over 2048 bf16 tokens, forward + input gradie
 (median of 20 after 5), then 5 steps under torch.profiler: every CUDA kernel's total time and count, the GPU's busy
 time against the wall time, and the CPU ops. Issue 4's FP8 target is 0.75x bf16; the FP8 row runs 0.95x (session 6):
 this splits its time between the FP8 GEMMs (torch._scaled_mm), the activation / gradient quantization and the weight
-transpose of the backward. Chrome traces go to $OUT/profile-quant-<row>.json.gz when OUT is set.
+transpose of the backward; the host's enqueue time per step (GPU kept busy) tells whether the step is host-bound, and
+`host` (an extra argument) prints the enqueue time of each op of the FP8 path. Chrome traces go to
+$OUT/profile-quant-<row>.json.gz when OUT is set.
 """
 import os
 import statistics
@@ -32,11 +34,57 @@ def layers_for(row: str, linears, device):
     return [QuantLinear(quantize(w, fmt), act_quant=act_quant, outliers=outliers) for w in ws]
 
 
+def enqueue_us(fn, n: int = 200) -> float:
+    """Host microseconds per call of ``fn`` while the GPU is kept busy (its launches never wait)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def host_costs(dev) -> None:
+    """Enqueue time of each piece of one FP8 layer call (4096 x 4096 weight, 2048 tokens) beside nn.Linear's."""
+    from trainstream_hf import ops
+    from trainstream_hf.quant import matmul
+    x = torch.randn(2048, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2048, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    dense = _dense(w)
+    q = QuantLinear(quantize(w, "fp8"), act_quant=True)
+    xq, sx = ops.quantize_rows_e4m3(x.detach())
+    wd, ws = q.weight_data, q.weight_scale.view(1, -1)
+    rows = {
+        "torch.mm bf16": lambda: torch.mm(x.detach(), w.t()),
+        "torch._scaled_mm": lambda: torch._scaled_mm(xq, wd.t(), scale_a=sx, scale_b=ws, out_dtype=torch.bfloat16),
+        "ops.quantize_rows_e4m3": lambda: ops.quantize_rows_e4m3(x.detach()),
+        "ops.transpose_bytes": lambda: ops.transpose_bytes(wd),
+        "torch.ones (1, K)": lambda: torch.ones(1, 4096, device=dev),
+        "fp8 path forward (no autograd)": lambda: matmul.FP8_W8A8_SCALED_MM.forward(x.detach(), q.weight, None),
+        "fp8 path backward (no autograd)": lambda: matmul.FP8_W8A8_SCALED_MM.backward(dy, q.weight),
+        "nn.Linear forward": lambda: dense(x),
+        "QuantLinear fp8 forward": lambda: q(x),
+        "nn.Linear forward + grad": lambda: torch.autograd.grad(dense(x), x, dy),
+        "QuantLinear fp8 forward + grad": lambda: torch.autograd.grad(q(x), x, dy),
+    }
+    print("\n===== host enqueue time per call (GPU busy), us")
+    for name, fn in rows.items():
+        print(f"  {enqueue_us(fn):8.1f}  {name}")
+
+
 def main():
     dev = torch.device("cuda")
     out = os.environ.get("OUT")
     linears = block_linears("llama3-8b")
-    for row in sys.argv[1:] or ["bf16", "fp8", "nf4"]:
+    args = sys.argv[1:] or ["bf16", "fp8", "nf4"]
+    if "host" in args:
+        host_costs(dev)
+        args = [a for a in args if a != "host"]
+    for row in args:
         layers = layers_for(row, linears, dev)
         xs, leaves, grads = block_inputs(linears, 2048, dev, 1)
         step = block_step(layers, xs, leaves, grads)
@@ -50,6 +98,16 @@ def main():
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         print(f"\n===== {row}: median {1e3 * statistics.median(times):.3f} ms per block step")
+        # Host time per step: the CPU's enqueue time while the GPU is kept busy (a spin kernel queued first), so
+        # the launches never wait for the device. A step is host-bound when this is above its kernels' time.
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))  # ~1 s of cycles, ahead of the steps' kernels
+        t0 = time.perf_counter()
+        for _ in range(20):
+            step()
+        host = (time.perf_counter() - t0) / 20
+        torch.cuda.synchronize()
+        print(f"host (enqueue) time per step: {1e3 * host:.3f} ms")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(5):

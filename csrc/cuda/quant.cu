@@ -479,11 +479,21 @@ __global__ void __launch_bounds__(kThreads) rowwise_dequant_kernel(
 // Per-row E4M3 quantization (quantize_rows_e4m3_reference): one block per row, a pass for the row's max |x * cs|, then
 // a pass that writes the codes. kVec: x and col_scale 16-byte aligned and in_features a multiple of 8, so each thread
 // reads 8 elements as 16-byte vectors and writes 8 codes as one 8-byte store. kRegs > 0 (kVec only; the row has at most
-// kRegs vectors per thread, which covers rows of up to 8 * 8 * 256 = 16384 features): each thread keeps its vectors in
+// kRegs vectors per thread, which covers rows of up to 8 * 4 * 1024 = 32768 features): each thread keeps its vectors in
 // registers from the first pass to the second, so the row is read from memory once. kRegs == 0: the second pass reads
-// the row again (from L1 / L2).
+// the row again (from L1 / L2). The launcher sizes blocks for at most 2 vectors per thread up to 1024 threads (rows of up
+// to 16384 features): at 256 threads a 14336-feature row held 7 vectors per thread in 89 registers, two blocks per SM,
+// and ran at ~1.1 TB/s on the H200 (benchmarks/NOTES.md, session 8).
 //
-// Each code is e4m3(e), e = clamp(v / s, -448, 448): the division is IEEE (__fdiv_rn, the CPU's `/`, bit for bit).
+// Each code is e4m3(e), e = clamp(v / s, -448, 448), the division IEEE-rounded (the CPU's `/`, bit for bit). Rows whose
+// max m is finite with s = m / 448 >= 2^-90 (every row of real activations) divide by Markstein's sequence with the
+// row's correctly rounded reciprocal y = RN(1 / s): q = RN(v y), r = fma(-q, s, v) (exact), e = RN(q + r y). With y
+// correctly rounded and q within one ulp of v / s, e is the correctly rounded quotient (Markstein 1990; Handbook of
+// Floating-Point Arithmetic, 2nd ed., Theorem 5.8), the same float __fdiv_rn returns, for three instructions instead
+// of __fdiv_rn's dozen and its range check. The bound on s keeps r clear of float32 underflow wherever e >= 2^-10
+// (smaller e give the code 0 whatever their last bits); |v| <= m keeps |e| <= 448 (1 + 2^-23) and finite, so the clamp
+// and the NaN fix below are not needed there either (cvt's .satfinite gives 448 for what lies above). Other rows
+// (all-zero, NaN or inf, or tiny) take __fdiv_rn and the clamp, as before.
 //
 // The E4M3 rounding. c10::Float8_e4m3fn(e) (what the CPU kernel and torch's .to(float8_e4m3fn) use) is a software
 // conversion of a dozen integer and float operations per element; sm_89+ converts two floats per instruction
@@ -581,8 +591,44 @@ __device__ __forceinline__ void store_codes8(uint8_t* __restrict__ q, const floa
   *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
 }
 
+// Whether the row of max m takes the fast division (see above): finite m with m / 448 >= 2^-90.
+__device__ __forceinline__ bool fast_row(float m, float s) { return m <= 3.0e38f && s >= 8.0779356e-28f; }
+
+// v / s, correctly rounded, for y = RN(1 / s) of a fast row (Markstein).
+__device__ __forceinline__ float fast_div(float v, float s, float y) {
+  const float q = __fmul_rn(v, y);
+  return __fmaf_rn(__fmaf_rn(-q, s, v), y, q);
+}
+
+// The 8 codes of v of a fast row (scale s, reciprocal y): cvt plus the sign bits (for results that round to 0).
+__device__ __forceinline__ void store_codes8_fast(uint8_t* __restrict__ q, const float (&v)[8], float s, float y) {
+  uint32_t w[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float e[4];
+    uint32_t sign = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      e[i] = fast_div(v[4 * h + i], s, y);
+      sign |= ((__float_as_uint(e[i]) >> 24) & 0x80u) << (8 * i);
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(e[0], e[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(e[2], e[3]), __NV_SATFINITE, __NV_E4M3);
+    w[h] = (lo | (hi << 16)) | sign;
+#else
+    w[h] = e4m3x2_bits(e4m3_input(e[0], 1.0f), e4m3_input(e[1], 1.0f)) |
+           (e4m3x2_bits(e4m3_input(e[2], 1.0f), e4m3_input(e[3], 1.0f)) << 16);
+    (void)sign;
+#endif
+  }
+  *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
+}
+
+constexpr int kRowThreads = 1024;  // most threads per row (block) of quantize_rows_e4m3_kernel
+
 template <typename T, bool kVec, int kRegs>
-__global__ void __launch_bounds__(kThreads) quantize_rows_e4m3_kernel(
+__global__ void __launch_bounds__(kRowThreads) quantize_rows_e4m3_kernel(
     const T* __restrict__ x, int64_t cols, const float* __restrict__ col_scale, uint8_t* __restrict__ q,
     float* __restrict__ row_scale) {
   static_assert(kRegs == 0 || kVec, "the row is held in registers only on the vectorised path");
@@ -606,10 +652,19 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_e4m3_kernel(
     m = block_nan_max(m, smem);
     const float s = __fdiv_rn(m, kE4m3Max);
     if (threadIdx.x == 0) row_scale[row] = s;
+    if (fast_row(m, s)) {
+      const float y = __frcp_rn(s);
 #pragma unroll
-    for (int j = 0; j < kRegs; ++j) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (c < nvec) store_codes8(qr + 8 * c, v[j], s);
+      for (int j = 0; j < kRegs; ++j) {
+        const int64_t c = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+        if (c < nvec) store_codes8_fast(qr + 8 * c, v[j], s, y);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRegs; ++j) {
+        const int64_t c = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+        if (c < nvec) store_codes8(qr + 8 * c, v[j], s);
+      }
     }
   } else if constexpr (kVec) {
     for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
@@ -621,10 +676,16 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_e4m3_kernel(
     m = block_nan_max(m, smem);
     const float s = __fdiv_rn(m, kE4m3Max);
     if (threadIdx.x == 0) row_scale[row] = s;
+    const bool fast = fast_row(m, s);
+    const float y = fast ? __frcp_rn(s) : 0.0f;
     for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
       float v[8];
       load_row8<T>(xr, col_scale, c, v);
-      store_codes8(qr + 8 * c, v, s);
+      if (fast) {
+        store_codes8_fast(qr + 8 * c, v, s, y);
+      } else {
+        store_codes8(qr + 8 * c, v, s);
+      }
     }
   } else {
     for (int64_t k = threadIdx.x; k < cols; k += blockDim.x) {
@@ -922,13 +983,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cuda(const at::Tensor& x,
   if (rows == 0) return {q, row_scale};
   const float* c = cs.defined() ? cs.data_ptr<float>() : nullptr;
   const bool vec = cols % 8 == 0 && aligned16(xc.data_ptr()) && (c == nullptr || aligned16(c));
-  // Enough threads for one pass over the row, in whole warps, at most kThreads.
+  // Threads for about two vectors (elements off the vector path) each, in whole warps, 32 to kRowThreads.
   const int64_t work = vec ? cols / 8 : cols;
-  const int threads = static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, ceil_div(work, 32) * 32)));
+  const int threads = static_cast<int>(
+      std::min<int64_t>(kRowThreads, std::max<int64_t>(32, ceil_div(ceil_div(work, 2), 32) * 32)));
   // Vectors per thread, rounded up to a power of two: how many the kernel holds in registers (0: rows too long for
   // that, read twice).
   const int64_t per_thread = ceil_div(work, threads);
-  const int regs = !vec ? 0 : per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : per_thread <= 8 ? 8 : 0;
+  const int regs = !vec ? 0 : per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(t, vec, [&](auto tag, auto v) {
     using T = decltype(tag);
@@ -944,7 +1006,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3_cuda(const at::Tensor& x,
         case 1: launch(std::integral_constant<int, 1>{}); break;
         case 2: launch(std::integral_constant<int, 2>{}); break;
         case 4: launch(std::integral_constant<int, 4>{}); break;
-        case 8: launch(std::integral_constant<int, 8>{}); break;
         default: launch(std::integral_constant<int, 0>{}); break;
       }
     } else {
