@@ -56,6 +56,7 @@ debug = _flag("DEBUG", False)
 
 sources = ["csrc/trainstream.cpp"]
 sources += sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/runtime/*.cpp"))
+sources += sorted(glob.glob("csrc/autograd/*.cpp"))  # autograd nodes in C++ (device-generic, dispatcher ops)
 define_macros = []
 opt = ["-O0", "-g"] if debug else ["-O3"]
 cxx_flags = opt + ["-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]

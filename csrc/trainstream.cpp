@@ -47,6 +47,10 @@ TORCH_LIBRARY(trainstream, m) {
   // Transposed contiguous copy of a 2-D tensor of 1-byte elements (uint8, int8, float8): the FP8 backward's
   // column-major weight operand. torch's generic strided copy moves bytes at a fraction of memory bandwidth.
   m.def("transpose_bytes(Tensor x) -> Tensor");
+  // The FP8 tensor-core linear layer (csrc/autograd/fp8_linear.cpp): y = x_q w^T with row-wise scales, in x's dtype,
+  // differentiable in x (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
+  m.def("fp8_linear(Tensor x, Tensor xq, Tensor sx, Tensor w, Tensor w_scale) -> Tensor");
+  m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

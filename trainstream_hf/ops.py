@@ -571,3 +571,42 @@ def _transpose_bytes_fake(x):
 def transpose_bytes_reference(x: torch.Tensor) -> torch.Tensor:
     """Pure-PyTorch :func:`transpose_bytes` (through uint8: a float8 strided copy is not supported everywhere)."""
     return x.view(torch.uint8).t().contiguous().view(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8_linear (the FP8 tensor-core layer with its autograd node in C++, trainstream_hf/quant/matmul.py)
+# --------------------------------------------------------------------------------------------
+
+def fp8_linear(x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor,
+               w_scale: torch.Tensor) -> torch.Tensor:
+    """``y = torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=w_scale (1, N), out_dtype=x.dtype)``, differentiable in
+    ``x``: the backward is :func:`fp8_linear_dgrad` of the output gradient, computed in C++ (no Python, no GIL, on
+    the autograd thread). ``w`` and ``w_scale`` are saved for it with ``save_for_backward`` (saved-tensor hooks see
+    them). No gradient for ``xq``, ``sx``, ``w``, ``w_scale``.
+
+    Args:
+        x: (T, K) bfloat16 / float16, the layer's input (used for its dtype and as the gradient's target).
+        xq, sx: ``quantize_rows_e4m3(x)``: float8_e4m3fn (T, K) and float32 (T, 1).
+        w: (N, K) float8_e4m3fn codes; w_scale: float32 (N,) per-output-channel scale.
+    """
+    return torch.ops.trainstream.fp8_linear.default(x, xq, sx, w, w_scale)
+
+
+def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 layer's input gradient: ``g = dy * w_scale`` quantized per row to E4M3 (:func:`quantize_rows_e4m3`),
+    times the column-major codes (:func:`transpose_bytes`) on the tensor cores with scale_b ones; (T, K) in dy's
+    dtype."""
+    return torch.ops.trainstream.fp8_linear_dgrad.default(dy, w, w_scale)
+
+
+@torch.library.register_fake("trainstream::fp8_linear")
+def _fp8_linear_fake(x, xq, sx, w, w_scale):
+    torch._check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], lambda: "fp8_linear: x must be (T, K)")
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.register_fake("trainstream::fp8_linear_dgrad")
+def _fp8_linear_dgrad_fake(dy, w, w_scale):
+    torch._check(dy.dim() == 2 and w.dim() == 2 and dy.shape[1] == w.shape[0],
+                 lambda: "fp8_linear_dgrad: dy must be (T, N)")
+    return dy.new_empty((dy.shape[0], w.shape[1]))

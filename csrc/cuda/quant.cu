@@ -594,10 +594,12 @@ __device__ __forceinline__ void store_codes8(uint8_t* __restrict__ q, const floa
 // Whether the row of max m takes the fast division (see above): finite m with m / 448 >= 2^-90.
 __device__ __forceinline__ bool fast_row(float m, float s) { return m <= 3.0e38f && s >= 8.0779356e-28f; }
 
-// v / s, correctly rounded, for y = RN(1 / s) of a fast row (Markstein).
+// v / s, correctly rounded, for y = RN(1 / s) of a fast row (Markstein). With v's sign put back: for v = -0 the
+// sequence gives +0 (q = -0, r = +0 + -0 = +0, e = +0 + -0 = +0) where the IEEE quotient is -0 (the first H200 run
+// of this path failed the signed-zero tests); every other e has v's sign already (s, y > 0).
 __device__ __forceinline__ float fast_div(float v, float s, float y) {
   const float q = __fmul_rn(v, y);
-  return __fmaf_rn(__fmaf_rn(-q, s, v), y, q);
+  return copysignf(__fmaf_rn(__fmaf_rn(-q, s, v), y, q), v);
 }
 
 // The 8 codes of v of a fast row (scale s, reciprocal y): cvt plus the sign bits (for results that round to 0).

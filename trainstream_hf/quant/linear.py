@@ -232,8 +232,17 @@ class QuantLinear(nn.Module):
         if path is None:
             path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
-        y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features), self.weight_dtype,
-                                       k, *packed)
+        y = None
+        if path.layer is not None and not (k and path.quantizes_activations) and x.numel():
+            # A path with its own autograd node (the FP8 tensor-core layer, in C++): no Python in the backward.
+            shape = (self.out_features, self.in_features)
+            q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
+            y = path.layer(x.reshape(-1, self.in_features), q, x)
+            if y is not None:
+                y = y.view(*x.shape[:-1], self.out_features)
+        if y is None:
+            y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features),
+                                           self.weight_dtype, k, *packed)
         bias = params["bias"]
         if bias is not None:
             y = y + bias.to(y.dtype)

@@ -88,6 +88,9 @@ class MatmulPath:
     # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh.
     forward: Callable[..., torch.Tensor]
     backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
+    # Optional: (x (T, K), q, src) -> y (T, N) in x.dtype with its own autograd node (forward and backward as above,
+    # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off.
+    layer: Callable[..., torch.Tensor | None] | None = None
 
 
 def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -137,8 +140,9 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
 #
 # Writes that bypass the version counter are not seen, as autograd does not see them either: through ``x.data``
 # (its own counter), from outside torch (a NumPy view, a raw pointer), or a CUDA graph replay rewriting its static
-# outputs. To narrow that window, the backward of a QuantLinear ends the reuse (nothing carries over from one
-# training step to the next). Nothing is kept or reused while a CUDA graph is being captured (an entry made outside
+# outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse; the FP8
+# layer's C++ autograd node (ops.fp8_linear) cannot call back into Python, so there the entry lasts until its tensor
+# dies or the next quantization replaces it (a training step's activations die with its graph). Nothing is kept or reused while a CUDA graph is being captured (an entry made outside
 # the graph would be read by it but owned by this cache). Inference-mode tensors (no version counter), tensor
 # subclasses and ``torch.compile`` tracing are quantized afresh every time. The cost: one quantized activation
 # (T x K bytes + T floats) stays alive until its tensor dies or another one replaces it.
@@ -306,38 +310,29 @@ def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tenso
     return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
 
 
-# (K, device, stream) -> float32 (1, K) ones: the backward's scale_b. Made once per key rather than per call (a fill
-# kernel and a launch each time). Keyed by the CUDA stream too, so that the first use on a stream is ordered after
-# its fill; never made while a CUDA graph is being captured (the fill would only be recorded, not run).
-_ONES: dict[tuple, torch.Tensor] = {}
-
-
-def _ones_row(k: int, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.ones((1, k), dtype=torch.float32, device=device)
-        key = (k, device, _stream_id(device))
-    else:
-        key = (k, device)
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = _ONES[key] = torch.ones((1, k), dtype=torch.float32, device=device)
-    return ones
-
-
 def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     if not _scaled_mm_ok(dy.dtype, q):
         return _dequant_backward(dy, q)
-    gq, sg = quantize_rows_e4m3(dy, q.tensors["scale"])  # dy * s_w, per token to E4M3
-    # The (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled byte transpose: torch's strided
-    # copy moves bytes at a fraction of memory bandwidth).
-    w_t = ops.transpose_bytes(q.tensors["data"])
-    return torch._scaled_mm(gq, w_t.t(), scale_a=sg, scale_b=_ones_row(q.shape[1], dy.device), out_dtype=dy.dtype)
+    # dy * s_w per token to E4M3; the (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled
+    # byte transpose: torch's strided copy moves bytes at a fraction of memory bandwidth); one native call.
+    return ops.fp8_linear_dgrad(dy, q.tensors["data"], q.tensors["scale"])
+
+
+def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The whole layer through :func:`trainstream_hf.ops.fp8_linear` (its autograd node in C++: the backward runs
+    no Python), or None where ``_scaled_mm`` cannot run this call (the caller falls back to the path's
+    forward / backward). Same maths and bits as :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward`."""
+    if not _scaled_mm_ok(x.dtype, q):
+        return None
+    xq, sx = quantize_activation(x, src)
+    t = q.tensors
+    return ops.fp8_linear(x, xq, sx, t["data"], t["scale"])
 
 
 DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward)
 FP8_W8A8_EMULATED = MatmulPath("fp8_w8a8_emulated", True, _fp8_w8a8_forward, _dequant_backward)
-FP8_W8A8_SCALED_MM = MatmulPath("fp8_w8a8_scaled_mm", True, _fp8_scaled_mm_forward, _fp8_scaled_mm_backward)
+FP8_W8A8_SCALED_MM = MatmulPath("fp8_w8a8_scaled_mm", True, _fp8_scaled_mm_forward, _fp8_scaled_mm_backward,
+                                _fp8_scaled_mm_layer)
 NVFP4_W4A4_EMULATED = MatmulPath("nvfp4_w4a4_emulated", True, _nvfp4_w4a4_forward, _dequant_backward)
 
 # Formats whose weight has an activation-quantized path (W8A8 / W4A4), and its portable (emulated) form. int8 and nf4

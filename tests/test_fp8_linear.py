@@ -1,0 +1,113 @@
+"""The FP8 tensor-core layer's C++ autograd node (csrc/autograd/fp8_linear.cpp, ops.fp8_linear / fp8_linear_dgrad).
+
+On the CPU, torch._scaled_mm runs too (float8 inputs, row-wise scales), so the node is exercised here with the
+``fp8_w8a8_scaled_mm`` path forced onto a CPU layer: its forward and input gradient must be the bits of the same
+maths written out op by op, its saved tensors must pass through saved-tensor hooks (the engine's pager), and bad
+operands must raise clear errors. tests/gpu/test_quant_fp8_cuda.py checks the path on CUDA.
+"""
+import pytest
+import torch
+
+from trainstream_hf import ops
+from trainstream_hf.quant import QuantLinear, matmul, quantize
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
+
+
+def _layer(n=32, k=64, seed=0, bias=False):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    layer = QuantLinear(quantize(w, "fp8"), b, act_quant=True)
+    layer._paths[(torch.device("cpu"), True)] = matmul.FP8_W8A8_SCALED_MM  # the CUDA sm_89+ path, forced
+    return layer
+
+
+def _reference(x2d, dy2d, q):
+    """The path's maths op by op: forward y = x_q W_q^T scaled; dx = e4m3(dy * s_w) W_q with unit scale_b."""
+    data, scale = q.tensors["data"], q.tensors["scale"]
+    xq, sx = ops.quantize_rows_e4m3(x2d)
+    y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x2d.dtype)
+    gq, sg = ops.quantize_rows_e4m3(dy2d, scale)
+    w_col = data.view(torch.uint8).t().contiguous().view(data.dtype).t()  # column-major (N, K)
+    dx = torch._scaled_mm(gq, w_col, scale_a=sg, scale_b=torch.ones(1, data.shape[1]), out_dtype=dy2d.dtype)
+    return y, dx
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_layer_matches_the_maths_bit_for_bit(bias):
+    layer = _layer(bias=bias)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref, dx_ref = _reference(x.detach().reshape(-1, 64), dy.reshape(-1, 32), layer.weight)
+    if bias:
+        y_ref = y_ref + layer.bias
+    assert torch.equal(y.detach().reshape(-1, 32), y_ref)
+    assert torch.equal(x.grad.reshape(-1, 64), dx_ref)
+    assert layer.weight_data.grad is None and layer.weight_scale.grad is None
+
+
+def test_fused_layer_is_the_route_taken_and_matches_the_python_route():
+    """Without outliers the layer goes through ops.fp8_linear; the Python autograd Function (the outlier route's)
+    gives the same bits."""
+    layer = _layer(seed=1)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    assert "Fp8LinearFunction" in y.grad_fn.next_functions[0][0].name()  # the C++ node, under y's view
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    from trainstream_hf.quant.linear import _QuantLinearFunction
+    y2 = _QuantLinearFunction.apply(x, matmul.FP8_W8A8_SCALED_MM, layer.fmt, (32, 64), layer.weight_dtype, 0,
+                                    layer.weight_data, layer.weight_scale)
+    assert y2.grad_fn.name() == "_QuantLinearFunctionBackward"
+    (dx2,) = torch.autograd.grad(y2, x, dy)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)
+
+
+def test_saved_weights_pass_through_saved_tensor_hooks():
+    layer = _layer(seed=2)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t)
+        return ("ref", t)
+
+    def unpack(ref):
+        unpacked.append(ref[1])
+        return ref[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = layer(x)
+    assert [t.data_ptr() for t in packed] == [layer.weight_data.data_ptr(), layer.weight_scale.data_ptr()]
+    y.sum().backward()
+    assert len(unpacked) == 2 and x.grad is not None
+
+
+def test_input_without_grad_and_no_grad_mode():
+    layer = _layer(seed=3)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y = layer(x)
+    assert not y.requires_grad
+    with torch.no_grad():
+        assert torch.equal(layer(x.requires_grad_()), y)
+
+
+def test_bad_operands_raise_clear_errors():
+    q = quantize(torch.randn(32, 64), "fp8")
+    data, scale = q.tensors["data"], q.tensors["scale"]
+    dy = torch.randn(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        ops.fp8_linear_dgrad(dy, data.view(torch.uint8), scale)
+    with pytest.raises(ValueError, match="one scale per row"):
+        ops.fp8_linear_dgrad(dy, data, scale[:5])
+    with pytest.raises(ValueError, match="dy must be"):
+        ops.fp8_linear_dgrad(dy[:, :16], data, scale)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    xq, sx = ops.quantize_rows_e4m3(x)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.fp8_linear(x[:, :32], xq, sx, data, scale)
+    with pytest.raises(ValueError, match="xq must have"):
+        ops.fp8_linear(x, xq[:2], sx, data, scale)
