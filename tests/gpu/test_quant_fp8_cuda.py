@@ -429,8 +429,9 @@ def test_layers_reading_one_x_share_its_quantization_cuda(monkeypatch):
     assert len(forward_calls) == before + 1
     assert _rel(y_side, ys[0]) <= TOL[torch.bfloat16]  # the same call on another stream
     sum(y.sum() for y in ys).backward()
-    assert matmul._LAST is not None and matmul._LAST[0]() is x  # kept while x lives (the C++ backward keeps it)
-    del ys, y_side, x
+    kept = matmul._LAST is not None and matmul._LAST[0]() is x  # kept while x lives (the C++ backward keeps it)
+    assert kept
+    del ys, y, y_side, x  # y: the loop variable above, the last output (its graph holds x)
     assert matmul._LAST is None  # x died: its quantization is released
 
 
