@@ -51,6 +51,9 @@ TORCH_LIBRARY(trainstream, m) {
   // differentiable in x (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
   m.def("fp8_linear(Tensor x, Tensor xq, Tensor sx, Tensor w, Tensor w_scale) -> Tensor");
   m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale) -> Tensor");
+  // The weight-only quantized linear layer (csrc/autograd/dequant_linear.cpp): y = linear(x, dequantize_<fmt>(*packed,
+  // x.dtype)), differentiable in x (dx = dy @ the weight decoded again in dy's dtype).
+  m.def("dequant_linear(Tensor x, Tensor[] packed, str fmt) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -610,3 +610,22 @@ def _fp8_linear_dgrad_fake(dy, w, w_scale):
     torch._check(dy.dim() == 2 and w.dim() == 2 and dy.shape[1] == w.shape[0],
                  lambda: "fp8_linear_dgrad: dy must be (T, N)")
     return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+def dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str) -> torch.Tensor:
+    """``F.linear(x, dequantize_<fmt>(*packed, x.dtype))``, differentiable in ``x`` with its autograd node in C++: the
+    backward decodes the weight again in the gradient's dtype, ``dx = dy @ W``, without Python or the GIL. ``packed``
+    (the format's tensors in ``QuantFormat.tensor_names`` order) is saved with ``save_for_backward``.
+
+    Args:
+        x: (T, K) float32 / bfloat16 / float16.
+        packed: the weight's packed tensors (``QuantizedTensor.tensors`` values).
+        fmt: ``"int8"``, ``"nf4"``, ``"fp8"`` or ``"nvfp4"``.
+    """
+    return torch.ops.trainstream.dequant_linear.default(x, packed, fmt)
+
+
+@torch.library.register_fake("trainstream::dequant_linear")
+def _dequant_linear_fake(x, packed, fmt):
+    torch._check(x.dim() == 2, lambda: "dequant_linear: x must be 2-D")
+    return x.new_empty((x.shape[0], packed[0].shape[0]))

@@ -270,6 +270,15 @@ def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return dy.mm(dequantize(q, dy.dtype))
 
 
+def _dequant_layer(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The whole layer through :func:`trainstream_hf.ops.dequant_linear` (its autograd node in C++), or None where
+    this build has no native dequantize kernel for the device. Same bits as the forward / backward above."""
+    fmt = q.fmt
+    if fmt.native[1] is None or not ops.has_kernel(fmt.native[1], x.device):
+        return None
+    return ops.dequant_linear(x, [q.tensors[n] for n in fmt.tensor_names], fmt.name)
+
+
 def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
     xq, sx = quantize_activation(x, src)
     acc = xq.float().mm(q.tensors["data"].float().t())
@@ -329,7 +338,7 @@ def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor 
     return ops.fp8_linear(x, xq, sx, t["data"], t["scale"])
 
 
-DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward)
+DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward, _dequant_layer)
 FP8_W8A8_EMULATED = MatmulPath("fp8_w8a8_emulated", True, _fp8_w8a8_forward, _dequant_backward)
 FP8_W8A8_SCALED_MM = MatmulPath("fp8_w8a8_scaled_mm", True, _fp8_scaled_mm_forward, _fp8_scaled_mm_backward,
                                 _fp8_scaled_mm_layer)

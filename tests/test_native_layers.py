@@ -1,6 +1,8 @@
-"""The FP8 tensor-core layer's C++ autograd node (csrc/autograd/fp8_linear.cpp, ops.fp8_linear / fp8_linear_dgrad).
+"""QuantLinear's autograd nodes in C++: the weight-only layer (csrc/autograd/dequant_linear.cpp, ops.dequant_linear,
+every format) and the FP8 tensor-core layer (csrc/autograd/fp8_linear.cpp, ops.fp8_linear / fp8_linear_dgrad).
 
-On the CPU, torch._scaled_mm runs too (float8 inputs, row-wise scales), so the node is exercised here with the
+The weight-only node must give the bits of the Python autograd Function it replaces (same ops), forward and input
+gradient, with its packed weight passing through saved-tensor hooks. For the FP8 node: on the CPU, torch._scaled_mm runs too (float8 inputs, row-wise scales), so the node is exercised here with the
 ``fp8_w8a8_scaled_mm`` path forced onto a CPU layer: its forward and input gradient must be the bits of the same
 maths written out op by op, its saved tensors must pass through saved-tensor hooks (the engine's pager), and bad
 operands must raise clear errors. tests/gpu/test_quant_fp8_cuda.py checks the path on CUDA.
@@ -13,20 +15,6 @@ from trainstream_hf.quant import QuantLinear, matmul, quantize
 
 
 
-def _cpu_rowwise_scaled_mm() -> bool:
-    """Whether this torch's CPU torch._scaled_mm takes row-wise scales (2.13 does; 2.11, the GPU machine's, takes
-    per-tensor scales only)."""
-    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return False
-    return True
-
-
-rowwise = pytest.mark.skipif(not _cpu_rowwise_scaled_mm(),
-                             reason="this torch's CPU _scaled_mm takes per-tensor scales only (row-wise from 2.13)")
-
 
 def _layer(n=32, k=64, seed=0, bias=False):
     torch.manual_seed(seed)
@@ -35,6 +23,17 @@ def _layer(n=32, k=64, seed=0, bias=False):
     layer = QuantLinear(quantize(w, "fp8"), b, act_quant=True)
     layer._paths[(torch.device("cpu"), True)] = matmul.FP8_W8A8_SCALED_MM  # the CUDA sm_89+ path, forced
     return layer
+
+
+def _graph_names(y):
+    """Names of every autograd node behind y."""
+    names, todo = [], [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None:
+            names.append(node.name())
+            todo.extend(n for n, _ in node.next_functions)
+    return names
 
 
 def _reference(x2d, dy2d, q):
@@ -48,9 +47,8 @@ def _reference(x2d, dy2d, q):
     return y, dx
 
 
-@rowwise
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_layer_matches_the_maths_bit_for_bit(bias):
+def test_fused_layer_matches_the_maths_bit_for_bit(rowwise_scaled_mm, bias):
     layer = _layer(bias=bias)
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
@@ -64,14 +62,13 @@ def test_fused_layer_matches_the_maths_bit_for_bit(bias):
     assert layer.weight_data.grad is None and layer.weight_scale.grad is None
 
 
-@rowwise
-def test_fused_layer_is_the_route_taken_and_matches_the_python_route():
+def test_fused_layer_is_the_route_taken_and_matches_the_python_route(rowwise_scaled_mm):
     """Without outliers the layer goes through ops.fp8_linear; the Python autograd Function (the outlier route's)
     gives the same bits."""
     layer = _layer(seed=1)
     x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
-    assert "Fp8LinearFunction" in y.grad_fn.next_functions[0][0].name()  # the C++ node, under y's view
+    assert any("Fp8LinearFunction" in n for n in _graph_names(y))  # the C++ node, under y's view
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     from trainstream_hf.quant.linear import _QuantLinearFunction
@@ -82,8 +79,7 @@ def test_fused_layer_is_the_route_taken_and_matches_the_python_route():
     assert torch.equal(y, y2) and torch.equal(dx, dx2)
 
 
-@rowwise
-def test_saved_weights_pass_through_saved_tensor_hooks():
+def test_saved_weights_pass_through_saved_tensor_hooks(rowwise_scaled_mm):
     layer = _layer(seed=2)
     x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
     packed, unpacked = [], []
@@ -103,8 +99,7 @@ def test_saved_weights_pass_through_saved_tensor_hooks():
     assert len(unpacked) == 2 and x.grad is not None
 
 
-@rowwise
-def test_input_without_grad_and_no_grad_mode():
+def test_input_without_grad_and_no_grad_mode(rowwise_scaled_mm):
     layer = _layer(seed=3)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     y = layer(x)
@@ -129,3 +124,50 @@ def test_bad_operands_raise_clear_errors():
         ops.fp8_linear(x[:, :32], xq, sx, data, scale)
     with pytest.raises(ValueError, match="xq must have"):
         ops.fp8_linear(x, xq[:2], sx, data, scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The weight-only node (all formats)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_dequant_node_matches_the_python_function(fmt, dtype):
+    from trainstream_hf.quant.linear import _QuantLinearFunction
+    torch.manual_seed(4)
+    layer = QuantLinear(quantize(torch.randn(48, 128), fmt), torch.randn(48), act_quant=False)
+    assert layer.matmul_path().name == "dequant"
+    x = torch.randn(2, 5, 128, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    assert any("DequantLinearFunction" in n for n in _graph_names(y))  # the C++ node (under the view, bias add)
+    assert not any("_QuantLinearFunction" in n for n in _graph_names(y))
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    y2 = _QuantLinearFunction.apply(x, matmul.DEQUANT, layer.fmt, (48, 128), layer.weight_dtype, 0,
+                                    *[getattr(layer, "weight_" + n) for n in layer.fmt.tensor_names])
+    y2 = y2 + layer.bias.to(y2.dtype)
+    (dx2,) = torch.autograd.grad(y2, x, dy)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)
+
+
+def test_dequant_node_saves_the_packed_weight_through_hooks():
+    layer = QuantLinear(quantize(torch.randn(32, 64), "nf4"))
+    x = torch.randn(3, 64, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (packed.append(t), t)[1], lambda t: t):
+        y = layer(x)
+    names = layer.fmt.tensor_names
+    assert [t.data_ptr() for t in packed] == [getattr(layer, "weight_" + n).data_ptr() for n in names]
+    y.sum().backward()
+    assert x.grad.shape == x.shape and all(getattr(layer, "weight_" + n).grad is None for n in names)
+
+
+def test_dequant_node_bad_input():
+    q = quantize(torch.randn(32, 64), "int8")
+    packed = [q.tensors[n] for n in q.fmt.tensor_names]
+    with pytest.raises(ValueError, match="unknown format"):
+        ops.dequant_linear(torch.randn(2, 64), packed, "int4")
+    with pytest.raises(ValueError, match="takes 4 packed tensors"):
+        ops.dequant_linear(torch.randn(2, 64), packed, "nf4")
+    with pytest.raises(ValueError, match="2-D"):
+        ops.dequant_linear(torch.randn(64), packed, "int8")

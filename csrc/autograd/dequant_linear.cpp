@@ -1,0 +1,89 @@
+// The weight-only quantized linear layer's autograd node in C++ (trainstream_hf/quant/matmul.py, path "dequant").
+//
+//   dequant_linear(x, packed, fmt) -> y = linear(x, dequantize_<fmt>(*packed, x.dtype)), differentiable in x:
+//       dx = dy @ dequantize_<fmt>(*packed, dy.dtype). The weight is decoded again in the backward, never saved in
+//       16 bits; packed (the format's codes and scales, fmt.tensor_names order) is saved with save_for_backward, so
+//       saved-tensor hooks (the engine's weight pager, checkpointing) see it. No gradient for the weight.
+//
+// Why C++: the Python autograd Function cost the 8B nf4 block step more host time than its kernels took on the H200
+// (benchmarks/NOTES.md, sessions 7-8); here the backward runs without Python and the GIL, as fp8_linear.cpp's does.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace trainstream {
+namespace {
+
+// The packed tensor count of each format's dequantize_<fmt>(*packed, ScalarType dtype) schema.
+int64_t packed_count(const std::string& fmt) {
+  if (fmt == "int8" || fmt == "fp8") return 2;
+  if (fmt == "nvfp4") return 3;
+  if (fmt == "nf4") return 4;
+  TORCH_CHECK_VALUE(false, "dequant_linear: unknown format '", fmt, "' (int8, nf4, fp8 or nvfp4)");
+}
+
+// dequantize_<fmt>(*packed, dtype) through the dispatcher (boxed: the schemas differ per format).
+at::Tensor decode(const std::string& fmt, const std::vector<at::Tensor>& packed, at::ScalarType dtype) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("trainstream::dequantize_" + fmt).c_str(), "");
+  torch::jit::Stack stack;
+  stack.reserve(packed.size() + 1);
+  for (const auto& t : packed) stack.emplace_back(t);
+  stack.emplace_back(dtype);
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+}  // namespace
+
+at::Tensor dequant_linear_forward(const at::Tensor& x, at::TensorList packed, c10::string_view fmt_view) {
+  const std::string fmt(fmt_view);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(packed.size()) == packed_count(fmt), "dequant_linear: ", fmt, " takes ",
+                    packed_count(fmt), " packed tensors, got ", packed.size());
+  TORCH_CHECK_VALUE(x.dim() == 2, "dequant_linear: x must be 2-D (tokens, in_features), got shape ", x.sizes());
+  return at::linear(x, decode(fmt, packed.vec(), x.scalar_type()));
+}
+
+namespace {
+
+class DequantLinearFunction : public torch::autograd::Function<DequantLinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList packed,
+                            c10::string_view fmt) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward(packed.vec());
+    ctx->saved_data["fmt"] = std::string(fmt);
+    return dequant_linear_forward(x, packed, fmt);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();  // read once (a second read fails under checkpointing)
+    at::Tensor dx;
+    if (ctx->needs_input_grad(0) && grads[0].defined()) {
+      const at::Tensor& dy = grads[0];
+      dx = dy.mm(decode(ctx->saved_data["fmt"].toStringRef(), saved, dy.scalar_type()));
+    }
+    // One gradient per forward input: x, then each packed tensor (a TensorList counts as its tensors), fmt.
+    torch::autograd::variable_list out(saved.size() + 2);
+    out[0] = dx;
+    return out;
+  }
+};
+
+at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c10::string_view fmt) {
+  return DequantLinearFunction::apply(x, packed, fmt);
+}
+
+}  // namespace
+}  // namespace trainstream
+
+TORCH_LIBRARY_IMPL(trainstream, CompositeExplicitAutograd, m) {
+  m.impl("dequant_linear", &trainstream::dequant_linear_forward);
+}
+
+TORCH_LIBRARY_IMPL(trainstream, Autograd, m) {
+  m.impl("dequant_linear", &trainstream::dequant_linear_autograd);
+}
