@@ -2,10 +2,11 @@
 every format) and the FP8 tensor-core layer (csrc/autograd/fp8_linear.cpp, ops.fp8_linear / fp8_linear_dgrad).
 
 The weight-only node must give the bits of the Python autograd Function it replaces (same ops), forward and input
-gradient, with its packed weight passing through saved-tensor hooks. For the FP8 node: on the CPU, torch._scaled_mm runs too (float8 inputs, row-wise scales), so the node is exercised here with the
-``fp8_w8a8_scaled_mm`` path forced onto a CPU layer: its forward and input gradient must be the bits of the same
-maths written out op by op, its saved tensors must pass through saved-tensor hooks (the engine's pager), and bad
-operands must raise clear errors. tests/gpu/test_quant_fp8_cuda.py checks the path on CUDA.
+gradient, with its packed weight passing through saved-tensor hooks. For the FP8 node: on the CPU, torch._scaled_mm
+runs too (float8 inputs, row-wise scales, torch 2.13), so the node is exercised here with the ``fp8_w8a8_scaled_mm``
+path forced onto a CPU layer: its forward and input gradient must be the bits of the same maths written out op by
+op, its saved tensors must pass through saved-tensor hooks (the engine's pager), and bad operands must raise clear
+errors. tests/gpu/test_quant_fp8_cuda.py checks the path on CUDA.
 """
 import pytest
 import torch

@@ -505,7 +505,7 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
     """Per-row FP8 E4M3 quantization in one fused kernel (maths: :func:`quantize_rows_e4m3_reference`, bit for bit).
 
     The CUDA kernel runs one thread block per row (a pass for the row's amax, a pass to write the codes, the row held
-    in registers between them up to 16384 features) and never synchronises with the host; on sm_89+ it rounds to E4M3
+    in registers between them up to 32768 features) and never synchronises with the host; on sm_89+ it rounds to E4M3
     with the hardware conversion, the same bits as c10's (csrc/cuda/quant.cu gives the argument).
 
     Args:

@@ -481,8 +481,8 @@ __global__ void __launch_bounds__(kThreads) rowwise_dequant_kernel(
 // reads 8 elements as 16-byte vectors and writes 8 codes as one 8-byte store. kRegs > 0 (kVec only; the row has at most
 // kRegs vectors per thread, which covers rows of up to 8 * 4 * 1024 = 32768 features): each thread keeps its vectors in
 // registers from the first pass to the second, so the row is read from memory once. kRegs == 0: the second pass reads
-// the row again (from L1 / L2). The launcher sizes blocks for at most 2 vectors per thread up to 1024 threads (rows of up
-// to 16384 features): at 256 threads a 14336-feature row held 7 vectors per thread in 89 registers, two blocks per SM,
+// the row again (from L1 / L2). The launcher sizes blocks for at most 2 vectors per thread up to 1024 threads (rows
+// of up to 16384 features): at 256 threads a 14336-feature row held 7 vectors per thread in 89 registers, two blocks per SM,
 // and ran at ~1.1 TB/s on the H200 (benchmarks/NOTES.md, session 8).
 //
 // Each code is e4m3(e), e = clamp(v / s, -448, 448), the division IEEE-rounded (the CPU's `/`, bit for bit). Rows whose

@@ -202,10 +202,10 @@ def _all_finite_bf16():
     return torch.where(v.abs() > 448, torch.ldexp(mant, torch.full_like(exp, 8)), v)
 
 
-# Row widths for every variant of the kernel: 255 (not a multiple of 8: the scalar path); 256, 4096, 8192, 14336
-# (1, 2, 4 and 7 vectors of 8 per thread: the row held in registers, kRegs 1, 2, 4, 8); 20480 (10 per thread: read
-# twice).
-E4M3_WIDTHS = [255, 256, 4096, 8192, 14336, 20480]
+# Row widths for every variant of the kernel (blocks of up to 1024 threads, about 2 vectors of 8 each): 255 (not a
+# multiple of 8: the scalar path); 256, 4096, 8192, 14336 (1 or 2 vectors per thread held in registers, kRegs 1, 2);
+# 20480 (3 per thread: kRegs 4); 40960 (5 per thread: read twice, kRegs 0).
+E4M3_WIDTHS = [255, 256, 4096, 8192, 14336, 20480, 40960]
 
 
 @pytest.mark.parametrize("width", E4M3_WIDTHS)

@@ -234,7 +234,8 @@ class QuantLinear(nn.Module):
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
         y = None
         if path.layer is not None and not (k and path.quantizes_activations) and x.numel():
-            # A path with its own autograd node (the FP8 tensor-core layer, in C++): no Python in the backward.
+            # A path with its own autograd node in C++ (weight-only and FP8 tensor-core layers, csrc/autograd/): no
+            # Python in the backward. The outlier split and empty inputs take the Python Function below.
             shape = (self.out_features, self.in_features)
             q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
             y = path.layer(x.reshape(-1, self.in_features), q, x)

@@ -142,8 +142,9 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
 # (its own counter), from outside torch (a NumPy view, a raw pointer), or a CUDA graph replay rewriting its static
 # outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse; the FP8
 # layer's C++ autograd node (ops.fp8_linear) cannot call back into Python, so there the entry lasts until its tensor
-# dies or the next quantization replaces it (a training step's activations die with its graph). Nothing is kept or reused while a CUDA graph is being captured (an entry made outside
-# the graph would be read by it but owned by this cache). Inference-mode tensors (no version counter), tensor
+# dies or the next quantization replaces it (a training step's activations die with its graph). Nothing is kept or
+# reused while a CUDA graph is being captured (an entry made outside the graph would be read by it but owned by this
+# cache). Inference-mode tensors (no version counter), tensor
 # subclasses and ``torch.compile`` tracing are quantized afresh every time. The cost: one quantized activation
 # (T x K bytes + T floats) stays alive until its tensor dies or another one replaces it.
 #
