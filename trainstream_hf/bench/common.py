@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from trainstream_hf.provenance import git_commit
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "benchmarks", "results")
 
@@ -23,17 +25,8 @@ ARGV: list[str] | None = None
 
 def environment() -> dict:
     """Command, git commit, GPU, versions, host and date of this run."""
-    # TRAINSTREAM_COMMIT wins: a copied tree (the GPU machine's) can carry a stale .git.
-    try:
-        if os.environ.get("TRAINSTREAM_COMMIT"):
-            raise OSError("commit given by TRAINSTREAM_COMMIT")
-        root = os.path.dirname(RESULTS_DIR)
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-        dirty = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
-                                             cwd=root, text=True, stderr=subprocess.DEVNULL).strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = os.environ.get("TRAINSTREAM_COMMIT", "unknown"), None
+    commit, dirty = git_commit(os.path.dirname(RESULTS_DIR))  # TRAINSTREAM_COMMIT wins (a copied tree)
+    commit = commit or "unknown"
     env = {
         "command": " ".join([os.path.basename(sys.executable), "-m", "trainstream_hf.bench"]
                             + (sys.argv[1:] if ARGV is None else ARGV)),

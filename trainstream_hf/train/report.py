@@ -7,11 +7,12 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from trainstream_hf.provenance import git_commit
 
 __all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "check_output_dir", "write_summary",
            "format_summary", "format_dpo_summary", "format_grpo_summary", "format_table", "format_run"]
@@ -87,14 +88,7 @@ def plan_summary(plan) -> dict:
 
 
 def _git_commit() -> str | None:
-    if os.environ.get("TRAINSTREAM_COMMIT"):  # a copied tree (the GPU machine's) has no .git, or a stale one
-        return os.environ["TRAINSTREAM_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return git_commit(Path(__file__).resolve().parent)[0]  # TRAINSTREAM_COMMIT wins (a copied tree)
 
 
 def run_info(device: torch.device, command: str) -> dict:
