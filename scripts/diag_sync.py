@@ -4,7 +4,6 @@ python3 scripts/diag_sync.py: for each variant, the host time of 20 calls while 
 (a call that waits for the device shows ~50 ms per call), then the same calls under
 torch.cuda.set_sync_debug_mode("warn"), printing the first synchronizing call's stack.
 """
-import time
 import traceback
 import warnings
 
@@ -13,17 +12,7 @@ import torch
 from trainstream_hf import ops
 from trainstream_hf.quant import QuantLinear, quantize
 
-
-def enqueue_ms(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    ms = (time.perf_counter() - t0) / n * 1e3
-    torch.cuda.synchronize()
-    return ms
+from profiling import enqueue_seconds  # scripts/profiling.py
 
 
 def main():
@@ -60,7 +49,7 @@ def main():
         "fp8 fwd + backward() into .grad": lambda: q(x).backward(dy),
     }
     for name, fn in variants.items():
-        print(f"{enqueue_ms(fn):9.3f} ms  {name}", flush=True)
+        print(f"{1e3 * enqueue_seconds(fn, 20):9.3f} ms  {name}", flush=True)
     for name, fn in variants.items():
         fn()
         torch.cuda.synchronize()

@@ -23,7 +23,7 @@ from trainstream_hf.bench.quant import (QUANT_ROWS, _dense, block_inputs, block_
 from trainstream_hf.quant import QuantLinear
 from trainstream_hf.quant.formats import quantize
 
-from profiling import busy_time_us, export_trace  # scripts/profiling.py
+from profiling import busy_time_us, enqueue_seconds, export_trace  # scripts/profiling.py
 
 
 def layers_for(row: str, linears, device):
@@ -32,20 +32,6 @@ def layers_for(row: str, linears, device):
         return [_dense(w) for w in ws]
     fmt, act_quant, outliers, _ = QUANT_ROWS[row]
     return [QuantLinear(quantize(w, fmt), act_quant=act_quant, outliers=outliers) for w in ws]
-
-
-def enqueue_us(fn, n: int = 50) -> float:
-    """Host microseconds per call of ``fn`` while the GPU is kept busy (its launches never wait: n calls stay under
-    CUDA's ~1024 pending launches)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def host_costs(dev) -> None:
@@ -74,7 +60,7 @@ def host_costs(dev) -> None:
     }
     print("\n===== host enqueue time per call (GPU busy), us")
     for name, fn in rows.items():
-        print(f"  {enqueue_us(fn):8.1f}  {name}")
+        print(f"  {1e6 * enqueue_seconds(fn, 50):8.1f}  {name}")
 
 
 def main():
@@ -99,17 +85,9 @@ def main():
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         print(f"\n===== {row}: median {1e3 * statistics.median(times):.3f} ms per block step")
-        # Host time per step: the CPU's enqueue time while the GPU is kept busy (a spin kernel queued first), so
-        # the launches never wait for the device. A step is host-bound when this is above its kernels' time.
-        # 5 steps: at ~55 launches per FP8 step, 20 overflowed CUDA's queue of pending launches (~1024), whose
-        # launches then wait for the device like a sync (session 8).
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))  # ~1 s of cycles, ahead of the steps' kernels
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step()
-        host = (time.perf_counter() - t0) / 5
-        torch.cuda.synchronize()
+        # Host time per step: the CPU's enqueue time while the GPU is kept busy; a step is host-bound when this is
+        # above its kernels' time. 5 steps: 20 FP8 steps (~55 launches each) overflowed the pending-launch queue.
+        host = enqueue_seconds(step, 5)
         print(f"host (enqueue) time per step: {1e3 * host:.3f} ms")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()

@@ -1,7 +1,9 @@
-"""What the profile_*.py scripts share: the GPU's busy time in a torch.profiler trace, and the gzipped Chrome trace."""
+"""What the profile scripts share: the GPU's busy time in a torch.profiler trace, the gzipped Chrome trace, and the
+host's enqueue time of a call while the GPU is kept busy."""
 import gzip
 import os
 import shutil
+import time
 
 import torch
 
@@ -33,3 +35,18 @@ def export_trace(prof, out: str | None, name: str) -> None:
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
         shutil.copyfileobj(f, g)
     os.remove(path)
+
+
+def enqueue_seconds(fn, n: int) -> float:
+    """Host seconds per call of ``fn`` while the GPU is kept busy by a ~1 s spin kernel queued first, so its launches
+    never wait for the device (a call that does wait shows ~1 s / n). ``fn`` runs once before, untimed. Keep n calls
+    under CUDA's ~1024 pending launches: past that, launches wait like a sync (session 8)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    seconds = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return seconds

@@ -17,17 +17,27 @@
 namespace trainstream {
 namespace {
 
-// The packed tensor count of each format's dequantize_<fmt>(*packed, ScalarType dtype) schema.
-int64_t packed_count(const std::string& fmt) {
-  if (fmt == "int8" || fmt == "fp8") return 2;
-  if (fmt == "nvfp4") return 3;
-  if (fmt == "nf4") return 4;
+// A format's dequantize_<fmt>(*packed, ScalarType dtype) op and its packed tensor count, looked up once (the layer
+// calls this twice per training step).
+struct Decoder {
+  c10::OperatorHandle op;
+  int64_t packed;
+};
+
+const Decoder& decoder(const std::string& fmt) {
+  auto find = [](const char* name, int64_t packed) {
+    return Decoder{c10::Dispatcher::singleton().findSchemaOrThrow(name, ""), packed};
+  };
+  if (fmt == "int8") { static const Decoder d = find("trainstream::dequantize_int8", 2); return d; }
+  if (fmt == "fp8") { static const Decoder d = find("trainstream::dequantize_fp8", 2); return d; }
+  if (fmt == "nvfp4") { static const Decoder d = find("trainstream::dequantize_nvfp4", 3); return d; }
+  if (fmt == "nf4") { static const Decoder d = find("trainstream::dequantize_nf4", 4); return d; }
   TORCH_CHECK_VALUE(false, "dequant_linear: unknown format '", fmt, "' (int8, nf4, fp8 or nvfp4)");
 }
 
 // dequantize_<fmt>(*packed, dtype) through the dispatcher (boxed: the schemas differ per format).
 at::Tensor decode(const std::string& fmt, const std::vector<at::Tensor>& packed, at::ScalarType dtype) {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("trainstream::dequantize_" + fmt).c_str(), "");
+  const c10::OperatorHandle& op = decoder(fmt).op;
   torch::jit::Stack stack;
   stack.reserve(packed.size() + 1);
   for (const auto& t : packed) stack.emplace_back(t);
@@ -40,8 +50,9 @@ at::Tensor decode(const std::string& fmt, const std::vector<at::Tensor>& packed,
 
 at::Tensor dequant_linear_forward(const at::Tensor& x, at::TensorList packed, c10::string_view fmt_view) {
   const std::string fmt(fmt_view);
-  TORCH_CHECK_VALUE(static_cast<int64_t>(packed.size()) == packed_count(fmt), "dequant_linear: ", fmt, " takes ",
-                    packed_count(fmt), " packed tensors, got ", packed.size());
+  const int64_t count = decoder(fmt).packed;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(packed.size()) == count, "dequant_linear: ", fmt, " takes ", count,
+                    " packed tensors, got ", packed.size());
   TORCH_CHECK_VALUE(x.dim() == 2, "dequant_linear: x must be 2-D (tokens, in_features), got shape ", x.sizes());
   return at::linear(x, decode(fmt, packed.vec(), x.scalar_type()));
 }
