@@ -74,12 +74,12 @@ if with_cuda:
         sources,
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-        libraries=["cudart"],
+        libraries=["cudart", "rt"],  # rt: shm_open on glibc < 2.34
     )
 else:
     ext = cpp_extension.CppExtension(
         "trainstream_hf._C", sources, define_macros=define_macros,
-        extra_compile_args={"cxx": cxx_flags},
+        extra_compile_args={"cxx": cxx_flags}, libraries=["rt"],
     )
 
 setup(

@@ -57,11 +57,12 @@ TORCH_LIBRARY(trainstream, m) {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "trainstream_hf native runtime: host arena, staging pool (ops live in torch.ops.trainstream)";
+  m.doc() = "trainstream_hf native runtime: host arena, shared host memory, staging pool (ops live in torch.ops.trainstream)";
   m.def("built_with_cuda", &trainstream::built_with_cuda,
         "True when the extension was compiled with CUDA support.");
   m.def("adamw_isa", &trainstream::adamw_isa,
         "SIMD path of the CPU AdamW on this machine: avx512, avx2 or scalar (TRAINSTREAM_CPU_ISA forces one).");
   trainstream::init_arena(m);
   trainstream::init_staging(m);
+  trainstream::init_shared_host(m);
 }

@@ -70,7 +70,9 @@ class TrainStreamConfig:
     staging_threads: int = field(default=0, metadata={
         "help": "CPU threads that copy unpinned weights into pinned staging buffers; 0 = min(8, cores)."})
     peer: str | bool = field(default="auto", metadata={
-        "help": "Share pinned host pools between the GPUs of one host: 'auto', True or False."})
+        "help": "Data parallel: the processes of one host keep one shared, pinned host copy of a paged frozen "
+                "base instead of one each (engine/peer.py): 'auto' (when a host runs several processes; private "
+                "copies with a warning if sharing fails), True (an error when it cannot share) or False."})
     device: str | None = field(default=None, metadata={
         "help": "Compute device, e.g. 'cuda:0'. Default: where the model's parameters are. A model loaded in "
                 "host RAM (larger than the GPU) is placed by the plan: paged block weights go to the arena, "

@@ -27,9 +27,10 @@ from trainstream_hf.engine.head import chunked_causal_lm_loss
 from trainstream_hf.engine.blocks import find_blocks
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
 from trainstream_hf.engine.optimizer import OffloadedAdamW
+from trainstream_hf.engine.peer import Peers
 from trainstream_hf.engine.streams import TransferStreams
 from trainstream_hf.engine.trace import Timeline
-from trainstream_hf.engine.weights import WeightPager
+from trainstream_hf.engine.weights import WeightPager, block_bytes, select_params
 from trainstream_hf.quant.model import quantize_frozen_base
 
 __all__ = ["wrap", "unwrap", "Engine", "engine_of"]
@@ -85,6 +86,7 @@ class Engine:
         self.user_optimizer = user_optimizer
         self.steps = 0
         self.expandable_segments = False  # wrap() switched the CUDA allocator to expandable segments
+        self.shared_host = None  # the host copy of frozen paged weights shared with this host's other processes
         self._t0: float | None = None
         # With an optimizer, a step is an optimizer step (all its micro-batches): the window opens at the first
         # forward and closes when step() returns. Without one, each forward pass starts a new window.
@@ -127,6 +129,7 @@ class Engine:
              "h2d_GBps": moved["h2d_bytes"] / dt / 1e9 if dt > 0 else 0.0,
              "d2h_GBps": moved["d2h_bytes"] / dt / 1e9 if dt > 0 else 0.0,
              "arena_used_bytes": arena["used"], "arena_reserved_bytes": arena["reserved"],
+             "host_shared_bytes": self.shared_host.nbytes if self.shared_host is not None else 0,
              "predicted_peak_bytes": self.plan.predicted_peak()}
         if self.streams.is_cuda:
             s["expandable_segments"] = self.expandable_segments
@@ -201,6 +204,7 @@ class Engine:
             self.optimizer.release()  # fp32 masters -> sinks / device params
         if self.pager is not None:
             self.pager.unwrap()  # host copies (updated by the optimizer through the sinks) -> device
+        self.shared_host = None  # the shared segment is unmapped with its last view
         if self.offloader is not None:
             self.offloader.close()
         if getattr(self, "casts", None) is not None:
@@ -325,6 +329,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         raise ValueError("optimizer_in_backward cannot be used with several processes (DistributedDataParallel): it "
                          "needs host gradients, which DDP's reducer would never see (engine/distributed.py); turn it "
                          "off (or data_parallel=False if the processes train independent models)")
+    # peer: one host copy of a frozen paged base per host (engine/peer.py); a collective, on every rank of the group
+    peers = Peers.find(dp_group, config.peer)
     if dp_group is not None and config.grads == "auto":
         config = replace(config, grads="device")
     if config.optimizer_in_backward and config.grads == "auto":
@@ -397,9 +403,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         if arena.growable:
             # Paged weights that already sit in host RAM are moved block by block (each original freed once
             # copied), so their slabs are pinned as the pager goes, while the memory they replace is released.
-            in_host = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
-                          if p.device.type == "cpu")
-            arena.reserve(max(0, pl.host_bytes() - in_host))
+            # Frozen paged weights shared with the other processes of this host (peer) go to shared memory instead.
+            elsewhere = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
+                            if p.device.type == "cpu" or (peers is not None and peers.active and not p.requires_grad))
+            arena.reserve(max(0, pl.host_bytes() - elsewhere))
         elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
             arena.close()
             raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the "
@@ -411,16 +418,35 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         _remove_chunked_loss(loss_owner)
         raise
     hooks = BlockHooks(blocks)
-    pager = offloader = None
+    pager = offloader = shared = None
     new_opt = optimizer
     try:
         expandable = (wants_expandable_segments(config.expandable_segments, device, bool(pl.paged_blocks))
                       and enable_expandable_segments())
-        if pl.paged_blocks:
-            # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the
-            # device optimizer: paging them would save little and put them on the CPU optimizer.
-            pager = WeightPager(hooks, streams, arena, blocks=pl.paged_blocks, slots=pl.slots, prefetch=pl.prefetch,
-                                param_filter=lambda n, p: not p.requires_grad or p.numel() >= pl.min_offload_numel)
+        # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the
+        # device optimizer: paging them would save little and put them on the CPU optimizer.
+        paged_filter = lambda n, p: not p.requires_grad or p.numel() >= pl.min_offload_numel  # noqa: E731
+        if peers is not None:
+            # Every rank allocates (a collective), paging or not: a rank that planned differently gets no sharing
+            # here and the plan check below raises on all of them.
+            sizes = {}
+            if pl.paged_blocks:
+                selected, _ = select_params(hooks, pl.paged_blocks, device, paged_filter)
+                sizes = {i: block_bytes(ps) for i, ps in selected.items() if not any(p.requires_grad for p in ps)}
+            shared = peers.allocate(sizes, pin=arena.pinned)
+        failure = None
+        try:
+            if pl.paged_blocks:
+                pager = WeightPager(hooks, streams, arena, blocks=pl.paged_blocks, slots=pl.slots,
+                                    prefetch=pl.prefetch, param_filter=paged_filter,
+                                    host_buffers=shared.views if shared is not None else None,
+                                    fill_host_buffers=shared is None or shared.writer)
+        except BaseException as e:
+            failure = e
+        if peers is not None:
+            peers.agree(failure)  # raises on every rank when the pager failed on one
+        elif failure is not None:
+            raise failure
         # Whatever the pager did not take (unpaged blocks, small trainable parameters, buffers) goes to the
         # compute device; paged parameters are device placeholders already, so .to() leaves them alone.
         for b in blocks:
@@ -444,8 +470,13 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                                            "offloaded": sorted(names.get(id(p), "?") for p in offload),
                                            "grads": pl.grads}, device, dp_group)
             data_parallel.check_no_trainable_paged(model, paged_params)
-            data_parallel.broadcast_from_rank0([pager.host_tensor(p) for p in paged_params] + [p.data for p in offload],
-                                               device, dp_group)
+            # A process that maps a host copy another one fills (peer) does not write into it.
+            host = [pager.host_tensor(p) for p in paged_params]
+            reads = [shared is not None and not shared.writer and shared.holds(t) for t in host]
+            data_parallel.broadcast_from_rank0(host + [p.data for p in offload], device, dp_group,
+                                               write=[not r for r in reads] + [True] * len(offload))
+            if peers is not None:
+                peers.barrier()  # the leaders' writes into shared host memory are done before any process reads
         if optimizer is not None:
             if offload:
                 sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
@@ -473,6 +504,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
     engine.casts = casts
+    engine.shared_host = shared
     engine.expandable_segments = expandable
     engine.loss_owner = loss_owner
     engine.install_recompute(blocks, pl.recomputed_blocks)

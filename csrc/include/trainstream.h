@@ -38,6 +38,9 @@ at::Tensor dequantize_nvfp4_cpu(const at::Tensor& data, const at::Tensor& block_
 // csrc/runtime/arena.cpp ---------------------------------------------------------------------
 void init_arena(pybind11::module_& m);
 
+// csrc/runtime/shared_host.cpp ---------------------------------------------------------------
+void init_shared_host(pybind11::module_& m);
+
 // csrc/cpu/staging.cpp -----------------------------------------------------------------------
 void init_staging(pybind11::module_& m);
 

@@ -11,18 +11,32 @@ comparison (:func:`check_matches_one_process`).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import os
+import re
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 16, 3, 1e-3
 ENGINE = dict(vram_budget="64GiB", host_arena=None)
+# DDP_WORKER_DEVICE=cuda (tests/gpu/test_peer_cuda.py): both ranks train on GPU 0 (gloo moves CUDA tensors too) with a
+# pinned arena, so that the shared host copy is registered with CUDA in each process; =nccl (tests/gpu/test_ddp_cuda.py):
+# rank r on GPU r, NCCL
+MODE = os.environ.get("DDP_WORKER_DEVICE", "cpu")
+if MODE not in ("cpu", "cuda", "nccl"):
+    raise SystemExit(f"DDP_WORKER_DEVICE: cpu, cuda or nccl, got {MODE!r}")
+DEVICE = {"cpu": "cpu", "cuda": "cuda:0", "nccl": f"cuda:{os.environ.get('LOCAL_RANK', '0')}"}[MODE]
+if MODE != "cpu":
+    ENGINE = dict(ENGINE, host_arena="auto")
 SCENARIOS = {
     # name: (model kind, trainstream options, DDP options, micro-batches per step, clip)
     "full_device": ("full", dict(offload_optimizer=True, min_offload_numel=0, grads="device"),
@@ -31,12 +45,20 @@ SCENARIOS = {
     "lora_paged": ("lora", dict(offload_activations=True, page_weights=True, min_activation_bytes=0), {}, 1, 1.0),
     "lora_paged_accum": ("lora", dict(offload_activations=True, page_weights=True, min_activation_bytes=0), {}, 2,
                          None),
+    # peer: the frozen base's host copy shared by the two processes (the default 'auto'), or each its own; in the
+    # fallback rank 1 cannot map the segment (an injected failure) and keeps a private copy
+    "lora_private": ("lora", dict(offload_activations=True, page_weights=True, min_activation_bytes=0, peer=False),
+                     {}, 1, 1.0),
+    "lora_peer_fallback": ("lora", dict(page_weights=True), {}, 1, 1.0),
     # refused, with the error named in the test
     "full_host": ("full", dict(offload_optimizer=True, min_offload_numel=0, grads="host"), {}, 1, None),
     "full_paged": ("full", dict(offload_optimizer=True, min_offload_numel=0, page_weights=True), {}, 1, None),
     "plan_differs": ("lora", dict(page_weights="rank0"), {}, 1, None),
     "ddp_first": ("full", dict(offload_optimizer=True, min_offload_numel=0), {}, 1, None),
+    "peer_required_fails": ("lora", dict(page_weights=True, peer=True), {}, 1, None),
 }
+# scenarios whose rank 1 cannot open the shared segment
+_OPEN_FAILS = ("lora_peer_fallback", "peer_required_fails")
 # TrainStreamAccelerator under accelerate launch (run_accelerate): full fine-tune, accumulation of 2, clipped
 ACCELERATE = ("full", dict(offload_optimizer=True, min_offload_numel=0), {}, 2, 1.0)
 
@@ -78,14 +100,14 @@ def shard(step: int, rank: int, world: int, micro: int, k: int) -> torch.Tensor:
     return rows[k * size:(k + 1) * size]
 
 
-def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole global batch per step, plain torch AdamW: losses and final parameters."""
+def reference(name: str, device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch per step, plain torch AdamW: losses and final parameters (on the CPU)."""
     kind, _, _, _, clip = ACCELERATE if name == "accelerate" else SCENARIOS[name]
-    model = build(kind, 0)
+    model = build(kind, 0).to(device)
     opt = optimizer(model)
     losses = []
     for s in range(STEPS):
-        ids = global_batch(s)
+        ids = global_batch(s).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if clip is not None:
@@ -93,12 +115,13 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def launch(cmd: list[str], out: Path, timeout: int = 240) -> list[dict]:
     """Runs a 2-process launch command and returns each rank's results."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.environ.get("PYTHONPATH")  # kept after ours: carried wheels live there on the GPU machine
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     env = {k: v for k, v in env.items() if not k.startswith("TRAINSTREAM")}
     if Path("/sys/class/net/lo").exists():  # gloo on loopback: containers whose hostname does not resolve
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -126,32 +149,64 @@ def check_matches_one_process(ranks: list[dict], kind: str, reference) -> None:
     assert max((ref_params[n] - init[n].detach()).abs().max().item() for n in a) > 1e-3
 
 
+def _shared_mapping(name: str | None) -> dict:
+    """This process's mapping of shared segment ``name``: its inode and the proportional set size (kB) of its
+    pages (a page mapped by two processes counts half in each), from /proc/self/smaps."""
+    if name is None:
+        return {}
+    found, inode, pss = False, None, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):  # a mapping's first line
+                found = f"/dev/shm{name}" in line
+                if found:
+                    inode = int(head[4])
+            elif found and line.startswith("Pss:"):
+                pss += int(head[1])
+    return {"inode": inode, "pss_kb": pss}
+
+
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def run(name: str, rank: int, world: int) -> dict:
     import trainstream_hf as ts
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from trainstream_hf.engine import peer
+
     kind, options, ddp_options, micro, clip = SCENARIOS[name]
-    model = build(kind, seed=rank)
+    model = build(kind, seed=rank).to(DEVICE)
     opt = optimizer(model)
     if options.get("page_weights") == "rank0":
         options = {**options, "page_weights": rank == 0}
     if name == "ddp_first":
         model = DDP(model)
-    model, opt = ts.wrap(model, opt, **ENGINE, **options)
+    refuse = mock.patch.object(peer._C, "shared_host_open", side_effect=RuntimeError("injected: cannot open"))
+    with refuse if (name in _OPEN_FAILS and rank == 1) else contextlib.nullcontext(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = ts.wrap(model, opt, **ENGINE, **options)
     eng = ts.engine_of(model)
+    shared = eng.shared_host
     info = {"optimizer": type(opt).__name__, "grads": getattr(opt, "grads_mode", None),
             "paged_blocks": eng.plan.paged_blocks, "offloaded_activations": eng.plan.offloaded_activation_blocks,
-            "paged_params": len(eng.pager.paged_parameters()) if eng.pager is not None else 0}
+            "paged_params": len(eng.pager.paged_parameters()) if eng.pager is not None else 0,
+            "paged_bytes": eng.pager.stats()["paged_bytes"] if eng.pager is not None else 0,
+            "arena_used": eng.arena.stats()["used"],
+            "shared": None if shared is None else {"nbytes": shared.nbytes, "writer": shared.writer,
+                                                   "processes": shared.processes, "name": shared.name,
+                                                   "pinned": shared.pinned,
+                                                   "pinned_bytes": peer.pinned_shared_bytes()},
+            "warnings": [str(w.message) for w in caught if "peer" in str(w.message)]}
     ddp = DDP(model, **ddp_options)
     losses = []
     for s in range(STEPS):
         total = 0.0
         for k in range(micro):
-            ids = shard(s, rank, world, micro, k)
+            ids = shard(s, rank, world, micro, k).to(DEVICE)
             if k < micro - 1:
                 with ddp.no_sync():  # accumulate locally; the last micro-batch's backward all-reduces the sum
                     loss = ddp(input_ids=ids, labels=ids).loss / micro
@@ -165,8 +220,14 @@ def run(name: str, rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    info["stats"] = {k: v for k, v in model.trainstream_stats().items() if k in ("h2d_bytes", "d2h_bytes")}
+    info["stats"] = {k: v for k, v in model.trainstream_stats().items()
+                     if k in ("h2d_bytes", "d2h_bytes", "host_shared_bytes")}
+    info["mapping"] = _shared_mapping(shared.name if shared is not None else None)
+    del shared
     ts.unwrap(model)
+    del eng
+    gc.collect()
+    info["shared_after_unwrap"] = peer.shared_bytes()
     return {"losses": losses, "params": _params(model), "info": info}
 
 
@@ -207,8 +268,11 @@ def main(out_dir: str, names: list[str]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if MODE != "cpu":  # the GPU tests compare runs bit for bit (the embedding's backward uses atomics)
+        torch.cuda.set_device(torch.device(DEVICE))
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if names != ["accelerate"]:  # the Accelerator initialises the group itself
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("nccl" if MODE == "nccl" else "gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = {}
     for name in names:

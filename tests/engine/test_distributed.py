@@ -20,8 +20,8 @@ _spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-TRAINED = ["full_device", "full_auto_accum", "lora_paged", "lora_paged_accum"]
-REFUSED = ["full_host", "full_paged", "plan_differs", "ddp_first"]
+TRAINED = ["full_device", "full_auto_accum", "lora_paged", "lora_paged_accum", "lora_private", "lora_peer_fallback"]
+REFUSED = ["full_host", "full_paged", "plan_differs", "ddp_first", "peer_required_fails"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,8 @@ def test_ddp_matches_one_process_on_the_global_batch(ranks, name):
     if name.startswith("full"):
         # (a) full fine-tune, optimizer state of every parameter on the host; 'auto' gradients are device ones
         assert info["optimizer"] == "OffloadedAdamW" and info["grads"] == "device" and info["paged_params"] == 0
+    elif name == "lora_peer_fallback":
+        assert info["paged_blocks"] == [0, 1, 2] and info["stats"]["h2d_bytes"] > 0
     else:
         # (b) LoRA over a paged frozen base, activations offloaded: weights and activations crossed to the device
         assert info["paged_blocks"] == [0, 1, 2] and info["offloaded_activations"] == [0, 1, 2]
@@ -51,10 +53,45 @@ def test_ddp_matches_one_process_on_the_global_batch(ranks, name):
     ("full_paged", "page_weights: 27 trainable parameters would be paged"),
     ("plan_differs", "the plan differs between processes: paged differs between rank 0 and rank 1"),
     ("ddp_first", "already inside DistributedDataParallel; wrap the model first"),
+    ("peer_required_fails", "peer=True: rank 1 could not share host memory with its host's other processes: "
+                            "injected: cannot open"),
 ])
 def test_ddp_refusals_are_clear_and_on_every_rank(ranks, name, message):
     for k, res in enumerate(ranks[name]):
         assert message in res.get("error", ""), f"rank {k}: {res}"
+
+
+def test_peer_auto_keeps_one_host_copy_of_the_frozen_base(ranks):
+    """peer='auto' (the default): rank 0 fills one shared segment with the paged frozen base, rank 1 maps the same
+    pages (same inode, each process's proportional share of them is half) and never writes them; neither arena holds
+    the paged weights any more; the mapping goes with unwrap. peer=False: each process holds its own copy."""
+    shared, private = [r["info"] for r in ranks["lora_paged"]], [r["info"] for r in ranks["lora_private"]]
+    paged = shared[0]["paged_bytes"]
+    assert paged > 100_000 and shared[1]["paged_bytes"] == paged
+    s0, s1 = shared[0]["shared"], shared[1]["shared"]
+    assert (s0["writer"], s1["writer"]) == (True, False) and s0["processes"] == s1["processes"] == 2
+    assert s0["name"] == s1["name"] and s0["nbytes"] == s1["nbytes"] and paged <= s0["nbytes"] < paged + 3 * 4096
+    m0, m1 = shared[0]["mapping"], shared[1]["mapping"]
+    assert m0["inode"] is not None and m0["inode"] == m1["inode"]
+    pages_kb = s0["nbytes"] / 1024
+    assert abs(m0["pss_kb"] + m1["pss_kb"] - pages_kb) <= 0.05 * pages_kb, (m0, m1, pages_kb)
+    assert max(m0["pss_kb"], m1["pss_kb"]) <= 0.55 * pages_kb
+    for k in range(2):
+        assert shared[k]["stats"]["host_shared_bytes"] == s0["nbytes"] and shared[k]["shared_after_unwrap"] == 0
+        # the arena (activations, no weights) is lighter by at least the paged weights than with peer=False
+        assert private[k]["shared"] is None and private[k]["stats"]["host_shared_bytes"] == 0
+        assert private[k]["arena_used"] - shared[k]["arena_used"] >= paged, (private[k], shared[k])
+        assert not shared[k]["warnings"] and not private[k]["warnings"]
+
+
+def test_peer_auto_falls_back_to_a_private_copy(ranks):
+    """Rank 1 cannot map the segment (injected): it warns, keeps its own copy, and the run still matches one process
+    (test_ddp_matches_one_process_on_the_global_batch[lora_peer_fallback])."""
+    r0, r1 = (r["info"] for r in ranks["lora_peer_fallback"])
+    assert r0["shared"]["writer"] and r0["shared"]["processes"] == 1 and r1["shared"] is None
+    assert r1["arena_used"] >= r1["paged_bytes"] > 0
+    assert len(r1["warnings"]) == 1 and "keeps its own host copy" in r1["warnings"][0]
+    assert "injected: cannot open" in r1["warnings"][0] and not r0["warnings"]
 
 
 def test_data_parallel_option():

@@ -133,18 +133,25 @@ def _short(value) -> str:
 
 
 @torch.no_grad()
-def broadcast_from_rank0(tensors: Sequence[torch.Tensor], device: torch.device, group) -> None:
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], device: torch.device, group,
+                         write: Sequence[bool] | None = None) -> None:
     """Overwrites ``tensors`` with rank 0's values, in place.
 
     Tensors on the compute device go as they are; host tensors (paged weights) are staged through the device
     when it is a GPU (NCCL moves device memory only), one tensor at a time, and sent directly when the compute
     device is the CPU (gloo).
+
+    Args:
+        write: per tensor, whether this process writes what it receives (default: all). False for host memory this
+            process shares with another that writes it (``peer``, engine/peer.py): it still takes part in the
+            collective, into a scratch copy.
     """
-    for t in tensors:
+    for k, t in enumerate(tensors):
         if t.numel() == 0:
             continue
-        direct = t.device.type == device.type and t.is_contiguous()
+        keep = write is None or write[k] or dist.get_rank(group) == 0
+        direct = t.device.type == device.type and t.is_contiguous() and keep
         buf = t if direct else t.to(device, copy=True, memory_format=torch.contiguous_format)
         dist.broadcast(buf, src=0, group=group)
-        if buf is not t:
+        if buf is not t and keep:
             t.copy_(buf)

@@ -1,7 +1,8 @@
 """Weight pager: block parameters live in the host arena and visit the device in a ring of slots.
 
-Each paged block's parameters are laid out in one flat host buffer (the arena), so a block travels as
-one H2D copy. The device holds ``slots`` flat buffers, each sized for the largest paged block; a resident
+Each paged block's parameters are laid out in one flat host buffer (the arena, or for a frozen block under
+``peer`` a view of host memory shared with the other processes of the host, engine/peer.py), so a block travels
+as one H2D copy. The device holds ``slots`` flat buffers, each sized for the largest paged block; a resident
 block's parameters are views into its slot. A block that is not resident has empty placeholders as
 parameter data (``torch.empty(0)``, the ZeRO-3 trick), so it holds no device memory and any use of it
 fails loudly instead of reading another block's weights.
@@ -59,22 +60,71 @@ class _Block:
 
     __slots__ = ("index", "params", "offsets", "nbytes", "host_flat", "host", "trainable", "views")
 
-    def __init__(self, index: int, params: list[nn.Parameter], arena: HostArena):
+    def __init__(self, index: int, params: list[nn.Parameter], arena: HostArena,
+                 buffer: torch.Tensor | None = None, fill: bool = True):
         self.index = index
         self.params = params
-        self.offsets: list[int] = []
-        off = 0
-        for p in params:
-            off = _align(off)
-            self.offsets.append(off)
-            off += p.numel() * p.element_size()
-        self.nbytes = off
-        self.host_flat = arena.empty((max(off, 1),), torch.uint8)
+        self.offsets, self.nbytes = _layout(params)
+        if buffer is not None and buffer.numel() < self.nbytes:
+            raise ValueError(f"WeightPager: the host buffer given for block {index} holds {buffer.numel()} bytes, "
+                             f"its parameters need {self.nbytes}")
+        self.host_flat = buffer if buffer is not None else arena.empty((max(self.nbytes, 1),), torch.uint8)
         self.host = [_typed_view(self.host_flat, o, p) for o, p in zip(self.offsets, params)]
-        for h, p in zip(self.host, params):
-            h.copy_(p.data)
+        if fill:
+            for h, p in zip(self.host, params):
+                h.copy_(p.data)
         self.trainable = any(p.requires_grad for p in params)
         self.views: dict[int, list[torch.Tensor]] = {}  # slot -> views of the parameters in that slot
+
+
+def _layout(params: list[nn.Parameter]) -> tuple[list[int], int]:
+    """Byte offsets of ``params`` in a block's flat buffer, and its size."""
+    offsets, off = [], 0
+    for p in params:
+        off = _align(off)
+        offsets.append(off)
+        off += p.numel() * p.element_size()
+    return offsets, off
+
+
+def block_bytes(params: list[nn.Parameter]) -> int:
+    """Bytes of the flat host buffer of a block paging ``params`` (the pager's layout)."""
+    return _layout(params)[1]
+
+
+def select_params(hooks: BlockHooks, blocks: Iterable[int], device: torch.device,
+                  param_filter: Callable[[str, nn.Parameter], bool] | None = None
+                  ) -> tuple[dict[int, list[nn.Parameter]], list[str]]:
+    """The parameters :class:`WeightPager` pages in each of ``blocks`` (those it keeps), and the names of those
+    it leaves on the device because they are shared beyond their block (tied weights).
+
+    Raises:
+        ValueError: a block index out of range, or a parameter neither on the host nor on ``device``.
+    """
+    chosen = sorted(set(blocks))
+    if any(not 0 <= i < len(hooks) for i in chosen):
+        raise ValueError(f"WeightPager: block indices must be in [0, {len(hooks)}), got {chosen}")
+    uses: dict[int, int] = {}
+    root = hooks.blocks.model if hooks.blocks is not None else None
+    for m in ([root] if root is not None else hooks.layers):
+        for _, p in m.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    selected, skipped = {}, []
+    for i in chosen:
+        params = []
+        for name, p in hooks.layers[i].named_parameters():
+            if param_filter is not None and not param_filter(name, p):
+                continue
+            if uses.get(id(p), 0) > 1:
+                skipped.append(f"block {i}: {name}")
+                continue
+            if p.device not in (device, torch.device("cpu")):
+                raise ValueError(f"WeightPager: block {i} parameter {name} is on {p.device}; paged "
+                                 f"parameters must be on the host or on the compute device {device}")
+            params.append(p)
+        if params:
+            selected[i] = params
+    return selected, skipped
 
 
 def _typed_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -114,6 +164,10 @@ class WeightPager(BlockListener):
         refresh_trainable: drop the device copies of blocks with trainable parameters at every step start
             (an optimizer has written their host copies). False when the caller calls :meth:`invalidate`
             after each optimizer step instead (gradient accumulation then reuses resident blocks).
+        host_buffers: block -> uint8 host buffer (at least :func:`block_bytes` long) to hold that block instead
+            of the arena: the shared host memory of ``peer`` (``engine/peer.py``).
+        fill_host_buffers: copy the parameters into ``host_buffers``; False in the processes that map a buffer
+            another process fills (their own copies are freed unread).
 
     Parameters shared with anything outside their block (tied weights) are not paged.
     """
@@ -123,7 +177,8 @@ class WeightPager(BlockListener):
     def __init__(self, hooks: BlockHooks, streams: TransferStreams, arena: HostArena, *,
                  blocks: Iterable[int] | None = None, slots: int = 2, prefetch: int = 1,
                  param_filter: Callable[[str, nn.Parameter], bool] | None = None,
-                 refresh_trainable: bool = True):
+                 refresh_trainable: bool = True, host_buffers: dict[int, torch.Tensor] | None = None,
+                 fill_host_buffers: bool = True):
         if slots < 1:
             raise ValueError(f"WeightPager: slots must be >= 1, got {slots}")
         if not 0 <= prefetch <= slots - 1:
@@ -135,41 +190,30 @@ class WeightPager(BlockListener):
         self.num_slots = slots
         self.prefetch = prefetch
         self.refresh_trainable = refresh_trainable
-        chosen = sorted(set(range(len(hooks)) if blocks is None else blocks))
-        if any(not 0 <= i < len(hooks) for i in chosen):
-            raise ValueError(f"WeightPager: block indices must be in [0, {len(hooks)}), got {chosen}")
-
-        uses: dict[int, int] = {}
-        root = hooks.blocks.model if hooks.blocks is not None else None
-        for m in ([root] if root is not None else hooks.layers):
-            for _, p in m.named_parameters(remove_duplicate=False):
-                uses[id(p)] = uses.get(id(p), 0) + 1
+        selected, skipped = select_params(hooks, range(len(hooks)) if blocks is None else blocks, self.device,
+                                          param_filter)
+        host_buffers = host_buffers or {}
         self._blocks: dict[int, _Block] = {}
         self._origin: dict[int, list[torch.device]] = {}
-        skipped = []
-        for i in chosen:
-            params = []
-            for name, p in hooks.layers[i].named_parameters():
-                if param_filter is not None and not param_filter(name, p):
-                    continue
-                if uses.get(id(p), 0) > 1:
-                    skipped.append(f"block {i}: {name}")
-                    continue
-                if p.device not in (self.device, torch.device("cpu")):
-                    raise ValueError(f"WeightPager: block {i} parameter {name} is on {p.device}; paged "
-                                     f"parameters must be on the host or on the compute device {self.device}")
-                params.append(p)
-            if params:
-                try:
-                    self._blocks[i] = blk = _Block(i, params, arena)
-                except BaseException:
-                    self._restore_partial()
-                    raise
-                # Free each block's original as soon as it has a host copy, so that paging a model that
-                # sits in (pageable) host RAM needs one block of headroom, not a second copy of the model.
-                self._origin[i] = [p.device for p in blk.params]
-                for p in blk.params:
-                    p.data = self._placeholder(p)
+        unfilled = []  # blocks whose buffer another process fills: their originals go once every block is laid out
+        for i, params in selected.items():
+            fill = fill_host_buffers or i not in host_buffers
+            try:
+                self._blocks[i] = blk = _Block(i, params, arena, host_buffers.get(i), fill=fill)
+            except BaseException:
+                self._restore_partial()
+                raise
+            self._origin[i] = [p.device for p in blk.params]
+            if not fill:
+                unfilled.append(blk)
+                continue
+            # Free each block's original as soon as it has a host copy, so that paging a model that
+            # sits in (pageable) host RAM needs one block of headroom, not a second copy of the model.
+            for p in blk.params:
+                p.data = self._placeholder(p)
+        for blk in unfilled:
+            for p in blk.params:
+                p.data = self._placeholder(p)
         if skipped:
             warnings.warn(f"WeightPager: {len(skipped)} parameters are shared beyond their block and stay on "
                           f"the device: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
@@ -373,7 +417,8 @@ class WeightPager(BlockListener):
         """Construction failed: the blocks already paged get their values back where they came from."""
         for i, blk in self._blocks.items():
             for p, h, dev in zip(blk.params, blk.host, self._origin.get(i, [])):
-                p.data = h.to(dev, copy=True)
+                if p.data.shape != h.shape:  # a placeholder (not one still holding its original: kept)
+                    p.data = h.to(dev, copy=True)
         self._blocks.clear()
 
     def _placeholder(self, p: nn.Parameter) -> torch.Tensor:
