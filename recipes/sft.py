@@ -3,6 +3,7 @@
     python recipes/sft.py --config configs/sft-tiny-cpu.yaml [--train.steps 100 --trainstream.page_weights false ...]
     python recipes/sft.py --config configs/sft-tiny-cpu.yaml --loop trainer
     accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py --config configs/<one>.yaml
+    accelerate launch --config_file configs/accelerate/two_gpus.yaml recipes/sft.py --config configs/<one>.yaml
 
 Builds the model (random weights piece by piece straight where they will live, quantized as built with
 ``trainstream.quantize``; or a local checkpoint), adds LoRA adapters (``lora.r``), evaluates held-out loss and greedy
@@ -13,8 +14,12 @@ trainstream_hf.integrations.transformers.TrainStreamTrainer, which installs the 
 Either loop leaves the engine installed: the model is unwrapped only to be evaluated again or saved (both evaluations
 see the plain model), since unwrapping puts every weight on the device. Prints a summary (the same fields for both
 loops: per-step losses and wall times, the engine's figures) and writes it to ``<output_dir>/summary.json``. Under
-``accelerate launch`` it runs as one process and takes the launch config's mixed precision
-(``mixed_precision: auto``). ``python recipes/sft.py --help`` lists every option.
+``accelerate launch`` it takes the launch config's mixed precision
+(``mixed_precision: auto``). Launched as several processes (``accelerate launch --num_processes N``, torchrun), the
+plain loop trains data parallel (trainstream_hf/train/processes.py): a replica per GPU, each on its share of the
+global batch (``train.batch_size`` per process), wrapped by the engine with DistributedDataParallel around it; rank 0
+evaluates and writes the summary, which gathers every process's step times and host memory.
+``python recipes/sft.py --help`` lists every option.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from transformers.trainer_callback import ProgressCallback
 
 import trainstream_hf
 from trainstream_hf.integrations.transformers import TrainStreamTrainer, TrainStreamTrainingArguments
-from trainstream_hf.train import align, data, evaluate, model as models, report
+from trainstream_hf.train import align, data, evaluate, model as models, processes, report
 from trainstream_hf.train.config import ConfigError, parse_args, run_cli, to_dict
 from trainstream_hf.train.schema import SFTConfig
 
@@ -45,9 +50,13 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(SFTConfig, argv, description=__doc__)
     # Everything the run reads or writes is checked before the model is built; nothing is written before training
     # ends (then the summary, and the model with save_model, each complete or absent).
+    procs = processes.from_environment()
+    if procs.several and cfg.loop == "trainer":
+        processes.require_single(procs, "loop 'trainer'")
     mixed = models.resolve_mixed_precision(cfg.mixed_precision)
-    device = models.resolve_device(cfg.device)
+    device = processes.device_for(cfg.device, procs) or models.resolve_device(cfg.device)
     models.cap_vram(cfg.vram_cap, device)
+    processes.start(procs, device)
     if cfg.loop == "trainer" and device.type == "cuda" and device.index != 0:
         # The Trainer trains on the process's first visible GPU.
         raise ConfigError(f"device={cfg.device!r}: loop 'trainer' trains on cuda:0; pick the GPU with "
@@ -59,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.data.packing:
         train_rows = data.pack(train_rows, cfg.data.max_length)
     # Made now so that a batch_size larger than the rows fails here; the trainer loop batches the same rows itself.
-    batches = data.batches(train_rows, cfg.train.batch_size, tokenizer.pad_token_id, seed=cfg.seed)
+    batches = processes.rank_batches(data.batches(train_rows, cfg.train.batch_size, tokenizer.pad_token_id,
+                                                  seed=cfg.seed), procs)
     if cfg.eval.enabled:
         test = data.load_examples(cfg.data.test_file, option="data.test_file", limit=cfg.eval.examples)
         test_rows = data.tokenize(test, tokenizer, cfg.data.max_length)
@@ -72,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 target_modules=cfg.lora.target_modules)
     counts = models.count_parameters(model)
     ev = dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens, device=device)
-    before = evaluate.evaluate(model, tokenizer, test, test_rows, **ev) if cfg.eval.enabled else None
+    evaluating = cfg.eval.enabled and procs.main  # the replicas are equal: rank 0 evaluates for all
+    before = evaluate.evaluate(model, tokenizer, test, test_rows, **ev) if evaluating else None
 
     tc = cfg.train
     ts_cfg = None
@@ -82,18 +93,27 @@ def main(argv: list[str] | None = None) -> dict:
         ts_cfg = replace(ts, batch_shape=ts.batch_shape or (tc.batch_size, longest), quantize=None, outliers=0.0,
                          device=ts.device or str(device))
     if cfg.loop == "plain":
-        model, log, tokens = train_plain(model, batches, tc, ts_cfg, device, mixed)
+        model, log, tokens = train_plain(model, batches, tc, ts_cfg, device, mixed, procs)
     else:
         model, log, tokens = train_with_trainer(model, train_rows, tokenizer.pad_token_id, tc, ts_cfg, device,
                                                 mixed, seed=cfg.seed)
     engine = None
+    # Every process's figures, taken while the engine still holds its host memory (rank 0 reports them all).
+    mine = {"rank": procs.rank, "device": str(device), "median_step_seconds": statistics.median(log.seconds),
+            **processes.host_memory()}
     if cfg.wrap:
         engine = {"plan": report.plan_summary(model.trainstream_plan), **log.engine_summary()}
-        if cfg.eval.enabled or cfg.save_model:
-            # An ordinary model again, every weight on the device (so it must fit there whole).
-            model = trainstream_hf.unwrap(model)
+        mine["host_shared_bytes"] = log.engine[-1].get("host_shared_bytes", 0) if log.engine else 0
+    per_process = processes.gather(mine, procs)
+    tokens = processes.total(tokens, procs, device)
+    if cfg.wrap and (cfg.eval.enabled or cfg.save_model) and procs.main:
+        # An ordinary model again, every weight on the device (so it must fit there whole).
+        model = trainstream_hf.unwrap(model)
+    processes.finish(procs)
+    if not procs.main:
+        return {"rank": procs.rank, "losses": log.losses, **mine}
 
-    after = evaluate.evaluate(model, tokenizer, test, test_rows, **ev) if cfg.eval.enabled else None
+    after = evaluate.evaluate(model, tokenizer, test, test_rows, **ev) if evaluating else None
     train_seconds = sum(log.seconds)
     summary = {
         "recipe": "sft", **report.run_info(device, command), "config": to_dict(cfg),
@@ -108,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         "timing": {"train_seconds": train_seconds, "median_step_seconds": statistics.median(log.seconds),
                    "tokens_per_second": tokens / train_seconds, "wall_seconds": time.perf_counter() - t_start},
         "peak_memory": report.peak_memory(device),
+        "processes": {"world": procs.world, "per_process": per_process,
+                      "host_pss_bytes": sum(p.get("pss_bytes", 0) for p in per_process)},
         "trainstream": engine,
         "predictions_after": after["predictions"][:cfg.eval.show] if after else [],
     }
@@ -121,18 +143,27 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def train_plain(model, batches, tc, ts_cfg, device: torch.device, mixed: str):
+def train_plain(model, batches, tc, ts_cfg, device: torch.device, mixed: str,
+                procs: processes.Processes = processes.Processes()):
     """``tc.steps`` steps of a plain PyTorch loop with a torch AdamW, both wrapped by trainstream_hf.wrap with
-    ``ts_cfg`` (None: not wrapped, the baseline).
+    ``ts_cfg`` (None: not wrapped, the baseline). Under several processes (``procs``) DistributedDataParallel goes
+    around the wrapped model and the logged loss is the processes' mean.
 
     Returns:
-        The model (still wrapped), its :class:`report.StepLog` and the number of tokens trained on.
+        The model (still wrapped; never the DDP wrapper), its :class:`report.StepLog` and the number of tokens this
+        process trained on.
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tc.betas,
                                   weight_decay=tc.weight_decay)
     if ts_cfg is not None:
         model, optimizer = trainstream_hf.wrap(model, optimizer, config=ts_cfg)
-        tqdm.write(str(model.trainstream_plan))
+        if procs.main:
+            tqdm.write(str(model.trainstream_plan))
+    forward = model
+    if procs.several:  # wrap first, then DDP (engine/distributed.py)
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     scheduler = get_scheduler(tc.scheduler, optimizer, num_warmup_steps=tc.warmup_steps, num_training_steps=tc.steps)
     # The engine's optimizer clips host-resident gradients too; torch's clip_grad_norm_ sees device ones only.
     clip = getattr(optimizer, "clip_grad_norm_", None) or (
@@ -141,20 +172,22 @@ def train_plain(model, batches, tc, ts_cfg, device: torch.device, mixed: str):
     log = report.StepLog(model)
     tokens = 0
     model.train()
-    bar = tqdm(range(tc.steps), desc="sft", unit="step", dynamic_ncols=True)
+    bar = tqdm(range(tc.steps), desc="sft", unit="step", dynamic_ncols=True, disable=not procs.main)
     for step in bar:
         batch = {k: v.to(device) for k, v in next(batches).items()}
         tokens += int(batch["attention_mask"].sum())
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
-            loss = model(**batch).loss
+            loss = forward(**batch).loss
         loss.backward()
         if tc.max_grad_norm is not None:
             clip(tc.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        log.record(time.perf_counter() - t0, loss.item())  # .item() waits for the step: honest step times
+        value = loss.item()  # waits for the step: honest step times
+        seconds = time.perf_counter() - t0
+        log.record(seconds, processes.mean(value, procs, device) if procs.several else value)
         if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
             bar.set_postfix(loss=f"{sum(log.losses[-tc.log_every:]) / len(log.losses[-tc.log_every:]):.3f}",
                             lr=f"{scheduler.get_last_lr()[0]:.1e}")

@@ -27,6 +27,7 @@ def test_there_are_configs():
         assert read_command_comment(ROOT / "configs" / yaml_name) == \
             f"python recipes/{name}.py --config configs/{yaml_name}"
     assert (ROOT / "configs" / "accelerate" / "single_gpu.yaml") in YAMLS
+    assert (ROOT / "configs" / "accelerate" / "two_gpus.yaml") in YAMLS
     assert MODEL_JSONS
 
 
@@ -78,13 +79,16 @@ def test_model_jsons_agree_with_the_benchmark_shapes():
     assert checked >= 2
 
 
-def _accelerate_config(path: Path):
-    """accelerate's own loader (refuses unknown keys); the recipes train in one process."""
+def _accelerate_config(path: Path, script: str):
+    """accelerate's own loader (refuses unknown keys); one host; several processes for the sft recipe only (its plain
+    loop trains data parallel, the dpo and grpo recipes in one process)."""
     from accelerate.commands.config.config_args import ClusterConfig
 
     cfg = ClusterConfig.from_yaml_file(str(path))
-    assert cfg.num_processes == 1 and cfg.num_machines == 1, \
-        f"{path}: the recipes train in one process (num_processes: 1, num_machines: 1)"
+    assert cfg.num_machines == 1, f"{path}: the recipes train on one host (num_machines: 1)"
+    if cfg.num_processes != 1:
+        assert script == "recipes/sft.py" and str(cfg.distributed_type).endswith("MULTI_GPU"), \
+            f"{path}: only recipes/sft.py trains in several processes, on GPUs (distributed_type: MULTI_GPU)"
     return cfg
 
 
@@ -108,7 +112,7 @@ def validate_config_file(path: Path, root: Path = ROOT) -> None:
         assert launcher[:2] == ["accelerate", "launch"], f"{path}: --config_file belongs to accelerate launch"
         acc = launcher[launcher.index("--config_file") + 1]
         assert (root / acc).is_file(), f"{path}: the command's accelerate config {acc} does not exist"
-        _accelerate_config(root / acc)
+        _accelerate_config(root / acc, script)
         if acc == rel:  # this file is the accelerate config: the recipe config its command names must exist
             assert "--config" in args and (root / args[args.index("--config") + 1]).is_file(), \
                 f"{path}: the command's recipe config does not exist: {command!r}"
@@ -144,9 +148,12 @@ def test_config_validates(path):
     ("acc.yaml", "# accelerate launch --config_file c/acc.yaml recipes/sft.py --config c/x.yaml\n"
      "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_procs: 1\n",
      ValueError, r"unknown keys \(\['num_procs'\]\)"),
-    ("multi.yaml", "# accelerate launch --config_file c/multi.yaml recipes/sft.py --config c/x.yaml\n"
+    ("multi.yaml", "# accelerate launch --config_file c/multi.yaml recipes/dpo.py --config c/x.yaml\n"
      "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n",
-     AssertionError, "train in one process"),
+     AssertionError, "only recipes/sft.py trains in several processes"),
+    ("multicpu.yaml", "# accelerate launch --config_file c/multicpu.yaml recipes/sft.py --config c/x.yaml\n"
+     "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n",
+     AssertionError, "only recipes/sft.py trains in several processes, on GPUs"),
     ("launched.yaml", "# accelerate launch --config_file c/none.yaml recipes/sft.py --config c/launched.yaml\n"
      "init: random\n", AssertionError, "accelerate config c/none.yaml does not exist"),
     ("badvalue.yaml", "# python recipes/sft.py --config c/badvalue.yaml\nmixed_precision: fp16\n", ConfigError,

@@ -1,6 +1,7 @@
 """recipes/sft.py end to end on the CPU, in-process, on small overrides of the demo config."""
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,57 @@ def test_held_out_words_never_occur_in_training():
     assert len({r["prompt"] for r in train_rows}) == len(train_rows)  # no duplicate examples
     ops = {r["prompt"].split("(", 1)[0] for r in test_rows}
     assert ops == {"rev", "sort", "up"}
+
+
+def test_two_processes_train_data_parallel(tmp_path):
+    """``accelerate launch`` with 2 processes (torchrun underneath, gloo on the CPU): the plain loop trains a replica
+    per process over an nf4 base paged by the engine (the adapters stay on the device: DDP cannot reduce paged
+    trainable parameters), DDP around it; rank 0 alone evaluates and writes the summary,
+    which holds both processes' step times and host memory, and the processes share one host copy of the packed
+    base (peer: auto). The launch config asks for the multi-GPU launcher and the recipe for the CPU, as in
+    tests/integrations/test_accelerate.py."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n"
+                   f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {port}\n"
+                   "use_cpu: false\ndynamo_config: {}\n")
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSTREAM")}
+    env["OMP_NUM_THREADS"] = "1"
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    r = subprocess.run([accelerate, "launch", "--config_file", str(cfg), "recipes/sft.py", *CONFIG, "--device", "cpu",
+                        "--lora.r", "4", "--lora.alpha", "8", "--trainstream.quantize", "nf4",
+                        "--trainstream.peer", "auto", "--trainstream.min_offload_numel", "1000000",
+                        "--train.batch_size", "8", "--train.steps", "4",
+                        "--train.log_every", "1", "--train.lr", "0.01", "--eval.examples", "8",
+                        "--eval.batch_size", "8", "--output_dir", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    procs = summary["processes"]
+    assert procs["world"] == 2 and [p["rank"] for p in procs["per_process"]] == [0, 1]
+    assert all(p["device"] == "cpu" and p["median_step_seconds"] > 0 for p in procs["per_process"])
+    shared = [p["host_shared_bytes"] for p in procs["per_process"]]
+    assert shared[0] == shared[1] > 0  # one copy of the packed nf4 base, mapped by both
+    assert procs["host_pss_bytes"] == sum(p["pss_bytes"] for p in procs["per_process"]) > 0
+    losses = [loss for _, loss in summary["train_loss"]["curve"]]
+    assert len(losses) == 4 and all(3.0 < x < 5.5 for x in losses)
+    assert summary["exact_match"]["total"] == 8 and summary["loss"]["after"] < summary["loss"]["before"]
+    assert "2 processes (data parallel" in r.stdout + r.stderr
+
+
+def test_trainer_loop_refuses_several_processes(sft, tmp_path, monkeypatch):
+    """The Trainer loop trains in one process: a launch of two is refused before any work, nothing written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2: loop 'trainer' trains in one process"):
+        sft(CONFIG + ["--loop", "trainer", "--output_dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()

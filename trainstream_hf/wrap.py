@@ -205,6 +205,8 @@ class Engine:
         if self.pager is not None:
             self.pager.unwrap()  # host copies (updated by the optimizer through the sinks) -> device
         self.shared_host = None  # the shared segment is unmapped with its last view
+        if getattr(self, "ddp_ignore", None) is not None:
+            data_parallel.restore_ddp_ignore(self.model, self.ddp_ignore[0])
         if self.offloader is not None:
             self.offloader.close()
         if getattr(self, "casts", None) is not None:
@@ -420,6 +422,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     hooks = BlockHooks(blocks)
     pager = offloader = shared = None
     new_opt = optimizer
+    ddp_hidden, ddp_ignore = False, None  # whether (and over what) hide_frozen_from_ddp set DDP's ignore list
     try:
         expandable = (wants_expandable_segments(config.expandable_segments, device, bool(pl.paged_blocks))
                       and enable_expandable_segments())
@@ -475,6 +478,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             reads = [shared is not None and not shared.writer and shared.holds(t) for t in host]
             data_parallel.broadcast_from_rank0(host + [p.data for p in offload], device, dp_group,
                                                write=[not r for r in reads] + [True] * len(offload))
+            ddp_ignore = data_parallel.hide_frozen_from_ddp(model, paged_params, device, dp_group)
+            ddp_hidden = True
             if peers is not None:
                 peers.barrier()  # the leaders' writes into shared host memory are done before any process reads
         if optimizer is not None:
@@ -491,6 +496,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                                          optimizer_in_backward=config.optimizer_in_backward)
     except BaseException:
         # Nothing half-installed survives a failed wrap: the model goes back to how it came in.
+        if ddp_hidden:
+            data_parallel.restore_ddp_ignore(model, ddp_ignore)
         if pager is not None:
             pager.unwrap()
         if offloader is not None:
@@ -505,6 +512,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
     engine.casts = casts
     engine.shared_host = shared
+    engine.ddp_ignore = (ddp_ignore,) if ddp_hidden else None  # unwrap puts DDP's ignore list back
     engine.expandable_segments = expandable
     engine.loss_owner = loss_owner
     engine.install_recompute(blocks, pl.recomputed_blocks)

@@ -201,6 +201,8 @@ def run(name: str, rank: int, world: int) -> dict:
                                                    "pinned": shared.pinned,
                                                    "pinned_bytes": peer.pinned_shared_bytes()},
             "warnings": [str(w.message) for w in caught if "peer" in str(w.message)]}
+    frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    info["ddp_ignores_the_frozen"] = bool(frozen) and getattr(model, "_ddp_params_and_buffers_to_ignore", None) == frozen
     ddp = DDP(model, **ddp_options)
     losses = []
     for s in range(STEPS):
@@ -225,6 +227,7 @@ def run(name: str, rank: int, world: int) -> dict:
     info["mapping"] = _shared_mapping(shared.name if shared is not None else None)
     del shared
     ts.unwrap(model)
+    info["ddp_ignore_after_unwrap"] = hasattr(model, "_ddp_params_and_buffers_to_ignore")
     del eng
     gc.collect()
     info["shared_after_unwrap"] = peer.shared_bytes()

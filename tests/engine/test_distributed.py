@@ -84,6 +84,17 @@ def test_peer_auto_keeps_one_host_copy_of_the_frozen_base(ranks):
         assert not shared[k]["warnings"] and not private[k]["warnings"]
 
 
+def test_frozen_parameters_are_sent_by_the_engine_not_ddp(ranks):
+    """Under LoRA the frozen base is left out of DDP (its initial broadcast cannot send float8 codes over gloo, nor
+    paged placeholders): wrap sends rank 0's frozen values itself, as bytes -- the replicas start from different
+    seeds, so the match with one process (test_ddp_matches_one_process_on_the_global_batch) shows they arrived --
+    and unwrap takes DDP's ignore list off the model again."""
+    for name in ("lora_paged", "lora_private"):
+        for k, res in enumerate(ranks[name]):
+            assert res["info"]["ddp_ignores_the_frozen"], (name, k)
+            assert not res["info"]["ddp_ignore_after_unwrap"], (name, k)
+
+
 def test_peer_auto_falls_back_to_a_private_copy(ranks):
     """Rank 1 cannot map the segment (injected): it warns, keeps its own copy, and the run still matches one process
     (test_ddp_matches_one_process_on_the_global_batch[lora_peer_fallback])."""

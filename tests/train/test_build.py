@@ -144,8 +144,31 @@ def test_mixed_precision_resolution():
     assert models.resolve_mixed_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"}) == "no"
     with pytest.raises(ConfigError, match=r"accelerate launch asks for 'fp16'.*'no' and 'bf16'"):
         models.resolve_mixed_precision("auto", {"ACCELERATE_MIXED_PRECISION": "fp16"})
-    with pytest.raises(ConfigError, match="WORLD_SIZE=2: the recipes train in one process"):
-        models.resolve_mixed_precision("bf16", {"WORLD_SIZE": "2"})
+    assert models.resolve_mixed_precision("bf16", {"WORLD_SIZE": "2"}) == "bf16"  # several processes: sft's business
+
+
+def test_launch_environment():
+    from trainstream_hf.train import processes
+
+    assert processes.from_environment({}) == processes.Processes(0, 1, 0)
+    p = processes.from_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert (p.rank, p.world, p.local_rank, p.main, p.several) == (1, 2, 1, False, True)
+    with pytest.raises(ConfigError, match="RANK=2 but WORLD_SIZE=2"):
+        processes.from_environment({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two': the launcher's environment"):
+        processes.from_environment({"WORLD_SIZE": "two"})
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2: the dpo recipe trains in one process"):
+        processes.require_single(p, "the dpo recipe")
+    processes.require_single(processes.Processes(), "the dpo recipe")
+    assert processes.device_for("auto", processes.Processes()) is None  # one process: the recipe resolves it
+    assert processes.device_for("cpu", p) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device='cuda:1': under several processes each one takes GPU LOCAL_RANK"):
+        processes.device_for("cuda:1", p)
+    # rank r of 2 takes batches r, r + 2, r + 4, ... of the shared seeded sequence
+    shares = [processes.rank_batches(iter(range(100)), processes.Processes(r, 2, r)) for r in range(2)]
+    assert [next(shares[0]) for _ in range(3)] == [0, 2, 4] and [next(shares[1]) for _ in range(3)] == [1, 3, 5]
+    mem = processes.host_memory()
+    assert mem["pss_bytes"] > 0 and mem["rss_bytes"] >= mem["pss_bytes"]
 
 
 def test_output_dir_is_checked_without_creating_it(tmp_path):

@@ -23,13 +23,13 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pa
 ARGV: list[str] | None = None
 
 
-def environment() -> dict:
-    """Command, git commit, GPU, versions, host and date of this run."""
+def environment(command: str | None = None) -> dict:
+    """Command (default: this bench suite's), git commit, GPU, versions, host and date of this run."""
     commit, dirty = git_commit(os.path.dirname(RESULTS_DIR))  # TRAINSTREAM_COMMIT wins (a copied tree)
     commit = commit or "unknown"
     env = {
-        "command": " ".join([os.path.basename(sys.executable), "-m", "trainstream_hf.bench"]
-                            + (sys.argv[1:] if ARGV is None else ARGV)),
+        "command": command or " ".join([os.path.basename(sys.executable), "-m", "trainstream_hf.bench"]
+                                       + (sys.argv[1:] if ARGV is None else ARGV)),
         "commit": commit,
         "dirty": dirty,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -87,12 +87,13 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
-    """Writes ``payload`` (plus the environment) to ``<out_dir>/<name>.json``; returns the path."""
+def write_json(name: str, payload: dict, out_dir: str | None = None, command: str | None = None) -> str:
+    """Writes ``payload`` (plus the environment, :func:`environment`'s ``command``) to ``<out_dir>/<name>.json``;
+    returns the path."""
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
-        json.dump({"environment": environment(), **payload}, f, indent=1, sort_keys=False)
+        json.dump({"environment": environment(command), **payload}, f, indent=1, sort_keys=False)
         f.write("\n")
     return path

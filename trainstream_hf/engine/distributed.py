@@ -24,7 +24,12 @@ a default process group of more than one process (``data_parallel="auto"``) it a
   measured timings may differ between GPUs. A difference is an error, not a hang or a slow drift;
 * broadcasts rank 0's values into what DDP's own initial broadcast cannot reach: the host copies of paged
   weights (DDP sees their empty placeholders), and the parameters whose optimizer state is offloaded (their fp32
-  masters are read right after, so they must already hold the values DDP would broadcast).
+  masters are read right after, so they must already hold the values DDP would broadcast);
+* sends rank 0's frozen parameters itself, as bytes, and has DDP leave every frozen parameter alone
+  (:func:`hide_frozen_from_ddp`). DDP's initial broadcast groups the module's tensors by dtype and sends them as
+  they are: gloo has no float8, so the codes of a packed base (nf4's absmax, fp8's weights) fail it ("Invalid scalar
+  type"), and it would send paged placeholders, which are empty. DDP reduces only what trains, so frozen
+  parameters are nothing to it after that first broadcast.
 """
 from __future__ import annotations
 
@@ -35,7 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["process_group", "check_not_ddp", "check_no_trainable_paged", "check_same_plan", "broadcast_from_rank0"]
+__all__ = ["process_group", "check_not_ddp", "check_no_trainable_paged", "check_same_plan", "broadcast_from_rank0",
+           "hide_frozen_from_ddp", "restore_ddp_ignore", "DDP_IGNORE"]
+
+# The module attribute DistributedDataParallel reads the names of the parameters and buffers it leaves alone from
+# (what its static _set_params_and_buffers_to_ignore_for_model sets; torch 2.x).
+DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
 
 
 def process_group(data_parallel: str | bool, grads: str):
@@ -152,6 +162,38 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], device: torch.device, 
         keep = write is None or write[k] or dist.get_rank(group) == 0
         direct = t.device.type == device.type and t.is_contiguous() and keep
         buf = t if direct else t.to(device, copy=True, memory_format=torch.contiguous_format)
-        dist.broadcast(buf, src=0, group=group)
+        # As bytes: the packed formats hold dtypes the backends may not reduce (gloo has no float8), and a
+        # broadcast only copies.
+        dist.broadcast(buf.reshape(-1).view(torch.uint8), src=0, group=group)
         if buf is not t and keep:
             t.copy_(buf)
+
+
+def hide_frozen_from_ddp(model: nn.Module, paged: Sequence[nn.Parameter], device: torch.device, group) -> object:
+    """Sends rank 0's frozen parameters that are on the device (paged ones went with :func:`broadcast_from_rank0`)
+    and adds every frozen parameter's name to the list of what DistributedDataParallel leaves alone (module
+    docstring: why).
+
+    Returns:
+        The model's previous list (None when it had none), for :func:`restore_ddp_ignore`.
+    """
+    paged_ids = set(map(id, paged))
+    names, resident = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        names.append(name)
+        if id(p) not in paged_ids:
+            resident.append(p.data)
+    broadcast_from_rank0(resident, device, group)
+    previous = model.__dict__.get(DDP_IGNORE)
+    model.__dict__[DDP_IGNORE] = sorted(set(previous or ()) | set(names))
+    return previous
+
+
+def restore_ddp_ignore(model: nn.Module, previous) -> None:
+    """Puts back the list :func:`hide_frozen_from_ddp` replaced."""
+    if previous is None:
+        model.__dict__.pop(DDP_IGNORE, None)
+    else:
+        model.__dict__[DDP_IGNORE] = previous

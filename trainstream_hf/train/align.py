@@ -24,7 +24,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from trainstream_hf.train import data, model as models, report
+from trainstream_hf.train import data, model as models, processes, report
 from trainstream_hf.train.config import ConfigError, parse_args, to_dict
 from trainstream_hf.wrap import engine_of
 
@@ -62,6 +62,7 @@ def setup(recipe: str, cls: type, argv: list[str] | None, description: str) -> R
     argv = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", f"recipes/{recipe}.py", *argv])
     cfg = parse_args(cls, argv, description=description)
+    processes.require_single(processes.from_environment(), f"the {recipe} recipe")
     mixed = models.resolve_mixed_precision(cfg.mixed_precision)
     device = models.resolve_device(cfg.device)
     models.cap_vram(cfg.vram_cap, device)

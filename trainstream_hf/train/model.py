@@ -69,17 +69,10 @@ def resolve_mixed_precision(spec: str, environ=None) -> str:
 
     ``"auto"`` takes what ``accelerate launch`` was told (its config file's ``mixed_precision``, which it passes to
     the script as ``ACCELERATE_MIXED_PRECISION``; accelerate 1.15-1.16), and ``"no"`` outside ``accelerate launch``.
-    A recipe trains in one process: a launch of several (``WORLD_SIZE`` > 1) is refused here, before any work.
-
     Raises:
-        ConfigError: fp16 / fp8 asked by the launcher (fp16 needs a GradScaler, which the engine refuses), or more
-            than one process.
+        ConfigError: fp16 / fp8 asked by the launcher (fp16 needs a GradScaler, which the engine refuses).
     """
     env = os.environ if environ is None else environ
-    world = env.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:
-        raise ConfigError(f"WORLD_SIZE={world}: the recipes train in one process on one device; launch them with "
-                         "configs/accelerate/single_gpu.yaml (num_processes: 1)")
     if spec != "auto":
         return spec
     launched = env.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower() or "no"

@@ -183,6 +183,15 @@ def format_run(s: dict) -> list[str]:
                      f"{ts['plan']['offloaded_optimizer_params']} parameters on the host")
     else:
         lines.append("trainstream: off (wrap=false)")
+    procs = s.get("processes") or {}
+    if procs.get("world", 1) > 1:
+        each = procs["per_process"]
+        shared = max(p.get("host_shared_bytes", 0) for p in each)
+        steps = ", ".join(f"{p['median_step_seconds'] * 1e3:.0f}" for p in each)
+        lines.append(f"{procs['world']} processes (data parallel, {t['tokens_per_second']:.0f} tokens/s together): "
+                     f"median steps {steps} ms; host "
+                     f"memory (PSS) {_mib(procs['host_pss_bytes'])} in all"
+                     + (f", of which a {_mib(shared)} frozen base shared by the processes of a host" if shared else ""))
     return lines
 
 
