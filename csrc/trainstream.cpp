@@ -47,9 +47,10 @@ TORCH_LIBRARY(trainstream, m) {
   // Transposed contiguous copy of a 2-D tensor of 1-byte elements (uint8, int8, float8): the FP8 backward's
   // column-major weight operand. torch's generic strided copy moves bytes at a fraction of memory bandwidth.
   m.def("transpose_bytes(Tensor x) -> Tensor");
-  // The FP8 tensor-core linear layer (csrc/autograd/fp8_linear.cpp): y = x_q w^T with row-wise scales, in x's dtype,
-  // differentiable in x (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
-  m.def("fp8_linear(Tensor x, Tensor xq, Tensor sx, Tensor w, Tensor w_scale) -> Tensor");
+  // The FP8 tensor-core linear layer (csrc/autograd/fp8_linear.cpp): y = e4m3(x) w^T with row-wise scales, in x's
+  // dtype, x (..., K) quantized per row inside (or the kept quantization of this very x reused), differentiable in x
+  // (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor w_scale, bool reuse=True) -> Tensor");
   m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale) -> Tensor");
   // The weight-only quantized linear layer (csrc/autograd/dequant_linear.cpp): y = linear(x, dequantize_<fmt>(*packed,
   // x.dtype)), differentiable in x (dx = dy @ the weight decoded again in dy's dtype).
@@ -58,6 +59,8 @@ TORCH_LIBRARY(trainstream, m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "trainstream_hf native runtime: host arena, shared host memory, staging pool (ops live in torch.ops.trainstream)";
+  m.def("fp8_activation_cache", &trainstream::fp8_activation_cache, pybind11::arg("clear") = false,
+        "The FP8 layer's kept activation quantization: [kept (0/1), hits, misses]; clear=True drops it first.");
   m.def("built_with_cuda", &trainstream::built_with_cuda,
         "True when the extension was compiled with CUDA support.");
   m.def("adamw_isa", &trainstream::adamw_isa,

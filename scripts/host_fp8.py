@@ -10,7 +10,8 @@ nn.Linear beside QuantLinear(fp8, W8A8 on torch._scaled_mm):
   floor the eager step approaches when the host keeps ahead of the GPU;
 * ``enqueue``: host seconds per step while the GPU is kept busy (a step is host-bound when this exceeds ``graph``),
   split into the forward (graph recorded), the forward without autograd, and the raw native calls of the path
-  (quantize + fp8_linear forward, fp8_linear_dgrad backward) with no Python layer or autograd around them.
+  (fp8_linear forward, which quantizes inside, and fp8_linear_dgrad backward) with no Python layer or autograd around
+  them.
 
 ``--cprofile`` adds Python's profile of 50 eager FP8 steps (the host functions, C++ time charged to the builtins that
 call it). Prints one JSON object.
@@ -90,8 +91,7 @@ def main() -> None:
     plain = [x.detach() for x in xs]
     with torch.no_grad():
         def raw_forward():
-            return [ops.fp8_linear(x, *ops.quantize_rows_e4m3(x), q.weight_data, q.weight_scale)
-                    for q, x in zip(qs, plain)]
+            return [ops.fp8_linear(x, q.weight_data, q.weight_scale, reuse=False) for q, x in zip(qs, plain)]
 
         def raw_backward():
             return [ops.fp8_linear_dgrad(g, q.weight_data, q.weight_scale) for q, g in zip(qs, grads)]

@@ -120,11 +120,12 @@ def test_bad_operands_raise_clear_errors():
     with pytest.raises(ValueError, match="dy must be"):
         ops.fp8_linear_dgrad(dy[:, :16], data, scale)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    xq, sx = ops.quantize_rows_e4m3(x)
-    with pytest.raises(ValueError, match="x must be"):
-        ops.fp8_linear(x[:, :32], xq, sx, data, scale)
-    with pytest.raises(ValueError, match="xq must have"):
-        ops.fp8_linear(x, xq[:2], sx, data, scale)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\)"):
+        ops.fp8_linear(x[:, :32], data, scale)
+    with pytest.raises(TypeError, match="x must be bfloat16 or float16, got Float"):
+        ops.fp8_linear(x.float(), data, scale)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        ops.fp8_linear(x, data.view(torch.uint8), scale)
 
 
 # ---------------------------------------------------------------------------------------------------------------

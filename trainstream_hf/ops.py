@@ -577,19 +577,35 @@ def transpose_bytes_reference(x: torch.Tensor) -> torch.Tensor:
 # fp8_linear (the FP8 tensor-core layer with its autograd node in C++, trainstream_hf/quant/matmul.py)
 # --------------------------------------------------------------------------------------------
 
-def fp8_linear(x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor,
-               w_scale: torch.Tensor) -> torch.Tensor:
-    """``y = torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=w_scale (1, N), out_dtype=x.dtype)``, differentiable in
-    ``x``: the backward is :func:`fp8_linear_dgrad` of the output gradient, computed in C++ (no Python, no GIL, on
-    the autograd thread). ``w`` and ``w_scale`` are saved for it with ``save_for_backward`` (saved-tensor hooks see
-    them). No gradient for ``xq``, ``sx``, ``w``, ``w_scale``.
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: bool = True) -> torch.Tensor:
+    """``y = torch._scaled_mm(e4m3(x) per row, w.t(), scale_a=s_x, scale_b=w_scale (1, N), out_dtype=x.dtype)`` as
+    (..., N), differentiable in ``x``: the backward is :func:`fp8_linear_dgrad` of the output gradient, computed in
+    C++ (no Python, no GIL, on the autograd thread). ``w`` and ``w_scale`` are saved for it with ``save_for_backward``
+    (saved-tensor hooks see them). No gradient for ``w``, ``w_scale``.
+
+    ``x`` is quantized inside (:func:`quantize_rows_e4m3` of ``x.reshape(-1, K)``), or, with ``reuse``, the quantization
+    kept from the previous call is taken when that call quantized this very ``x``, unmodified (same tensor object,
+    version counter, storage, layout, stream; same bits as a fresh one): the q / k / v layers reading one hidden state
+    quantize it once. The kept copy goes at the first backward through the op, when another one replaces it, when its
+    tensor is found dead, or at :func:`fp8_forget_activation` (csrc/autograd/fp8_linear.cpp says what is never kept).
 
     Args:
-        x: (T, K) bfloat16 / float16, the layer's input (used for its dtype and as the gradient's target).
-        xq, sx: ``quantize_rows_e4m3(x)``: float8_e4m3fn (T, K) and float32 (T, 1).
+        x: (..., K) bfloat16 / float16, the layer's input.
         w: (N, K) float8_e4m3fn codes; w_scale: float32 (N,) per-output-channel scale.
     """
-    return torch.ops.trainstream.fp8_linear.default(x, xq, sx, w, w_scale)
+    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse)
+
+
+def fp8_activation_cache() -> dict:
+    """The kept activation quantization of :func:`fp8_linear`: ``{"kept": bool, "hits": int, "misses": int}`` (counts
+    since the library loaded, over the calls with ``reuse``; a miss is a quantization made)."""
+    kept, hits, misses = _C.fp8_activation_cache(False)
+    return {"kept": bool(kept), "hits": hits, "misses": misses}
+
+
+def fp8_forget_activation() -> None:
+    """Drops :func:`fp8_linear`'s kept activation quantization (the next call quantizes afresh)."""
+    _C.fp8_activation_cache(True)
 
 
 def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -600,9 +616,9 @@ def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -
 
 
 @torch.library.register_fake("trainstream::fp8_linear")
-def _fp8_linear_fake(x, xq, sx, w, w_scale):
-    torch._check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], lambda: "fp8_linear: x must be (T, K)")
-    return x.new_empty((x.shape[0], w.shape[0]))
+def _fp8_linear_fake(x, w, w_scale, reuse=True):
+    torch._check(x.dim() >= 1 and w.dim() == 2 and x.shape[-1] == w.shape[1], lambda: "fp8_linear: x must be (..., K)")
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @torch.library.register_fake("trainstream::fp8_linear_dgrad")

@@ -1,24 +1,49 @@
-// The FP8 tensor-core linear layer's autograd node in C++ (trainstream_hf/quant/matmul.py, fp8_w8a8_scaled_mm).
+// The FP8 tensor-core linear layer as one op with its autograd node in C++ (trainstream_hf/quant/matmul.py,
+// fp8_w8a8_scaled_mm).
 //
-// Why C++: on the H200 the Python side of one FP8 layer call (a torch.autograd.Function, its backward re-entering
-// Python on the autograd thread, and the five ops of the backward each parsed from Python) cost ~160 us of host time
-// per forward + backward against ~45 us for nn.Linear, so a block's 7 layers enqueued slower (2.2 ms) than the GPU
-// ran them (1.8 ms) (benchmarks/NOTES.md, session 8). Here the backward never takes the GIL and its three kernels
-// are launched from C++.
+// Why C++: on the H200 the host side of one FP8 layer call, not its kernels, set the step time (benchmarks/NOTES.md,
+// sessions 6-9): a torch.autograd.Function whose backward re-entered Python, then the Python around the op (the
+// activation-reuse bookkeeping, a separate quantize call, the (..., K) -> (T, K) reshape and the output view, each of
+// those two an autograd node of its own) cost more host time per layer than nn.Linear's whole call. Here one call
+// from Python does the reshape, the quantization (or its reuse), the GEMM and the view, and the backward never takes
+// the GIL.
 //
-//   fp8_linear(x, xq, sx, w, w_scale) -> y = _scaled_mm(xq, w^T, scale_a = sx (T, 1), scale_b = w_scale (1, N))
-//       in x's dtype. x (T, K) is the unquantized input: only its dtype and its place in the graph are used (the
-//       gradient flows to it); xq / sx its row-wise E4M3 quantization (quantize_rows_e4m3, maybe shared between
-//       layers reading the same x). w (N, K) float8_e4m3fn codes, w_scale (N,) float32.
+//   fp8_linear(x, w, w_scale, reuse) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1), scale_b = w_scale
+//       (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn codes, w_scale (N,)
+//       float32. reuse: keep this quantization of x for the next call on the same x (below).
 //   fp8_linear_dgrad(dy, w, w_scale) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a = s_g,
-//       scale_b = ones (1, K)) in dy's dtype: the straight-through input gradient (maths in matmul.py).
+//       scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
+//
+// Reuse of one quantized activation. Llama's q / k / v projections read one hidden state, gate / up another:
+// quantizing it once instead of three (two) times saves 3 of the 7 per-token quantizations of a block's forward. The
+// last quantization is kept with everything that would change x's contents or layout: a weak reference to x's
+// TensorImpl (never its address alone: a freed tensor's memory is reused by the next allocation of the same size), its
+// version counter (bumped by every in-place write through x or any view or detach() of it: autograd's own check for
+// saved tensors), data pointer, sizes, strides, dtype, device and the current stream (a consumer on another stream
+// is not ordered after the quantizing kernel). Writes that bypass the version counter are not seen, as autograd does
+// not see them: through x.data (its own counter), from outside torch, or a CUDA graph replay rewriting its static
+// outputs. Never kept or reused: inference tensors (no version counter), calls with reuse=false, and calls while the
+// current CUDA stream is being captured into a graph. The kept copy (T x K bytes + T floats) goes at the first
+// backward through an FP8 layer (the forward is over), when another quantization replaces it, when the next call
+// finds its tensor dead, or at fp8_forget_activation(); the reused result is the same bits as a fresh one.
 //
 // w and w_scale are saved with save_for_backward, so saved-tensor hooks (the engine's weight pager, activation
-// checkpointing) see them as they see any saved tensor. No gradient for xq, sx, w, w_scale.
+// checkpointing) see them as they see any saved tensor. No gradient for w, w_scale.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "../include/trainstream.h"
+
+#ifdef TRAINSTREAM_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
 
 namespace trainstream {
 namespace {
@@ -37,34 +62,133 @@ void check_operands(const at::Tensor& w, const at::Tensor& w_scale, const char* 
                     "), got shape ", w_scale.sizes());
 }
 
+using QuantizeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&);
+
+c10::TypedOperatorHandle<QuantizeFn>& quantize_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("trainstream::quantize_rows_e4m3", "")
+                       .typed<QuantizeFn>();
+  return op;
+}
+
+bool capturing(const at::Tensor& t) {
+#ifdef TRAINSTREAM_WITH_CUDA
+  if (t.is_cuda()) return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#endif
+  (void)t;
+  return false;
+}
+
+// The kept activation quantization (see the top of this file). Leaked on purpose: its tensors must not be freed
+// during static destruction, after the CUDA context is gone.
+struct KeptActivation {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> src;
+  uint32_t version;
+  const void* data;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  at::Device device;
+  c10::StreamId stream;
+  at::Tensor xq, sx;
+};
+
+struct ActivationCache {
+  std::mutex mu;
+  std::optional<KeptActivation> kept;
+  int64_t hits = 0, misses = 0;
+};
+
+ActivationCache& activation_cache() {
+  static auto* cache = new ActivationCache();
+  return *cache;
+}
+
+c10::StreamId current_stream(const at::Device& device) {
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).id();
+}
+
+bool same(const KeptActivation& k, const at::Tensor& x, c10::StreamId stream) {
+  if (k.src.expired() || k.src._unsafe_get_target() != x.unsafeGetTensorImpl()) return false;
+  return k.version == x.unsafeGetTensorImpl()->version_counter().current_version() && k.data == x.data_ptr() &&
+         k.sizes == x.sizes() && k.strides == x.strides() && k.dtype == x.scalar_type() && k.device == x.device() &&
+         k.stream == stream;
+}
+
+// quantize_rows_e4m3(x2d), or the kept result for this very x (x2d = x.reshape(-1, K)).
+std::tuple<at::Tensor, at::Tensor> quantized_activation(const at::Tensor& x, const at::Tensor& x2d, bool reuse) {
+  auto& cache = activation_cache();
+  const bool keep = reuse && !x.is_inference() && !capturing(x);
+  if (!keep) {
+    if (reuse) {  // asked for, but not allowed here: a quantization made where one could have been reused
+      std::lock_guard<std::mutex> lock(cache.mu);
+      cache.misses++;
+    }
+  } else {
+    const c10::StreamId stream = current_stream(x.device());
+    std::unique_lock<std::mutex> lock(cache.mu);
+    if (cache.kept && same(*cache.kept, x, stream)) {
+      cache.hits++;
+      return {cache.kept->xq, cache.kept->sx};
+    }
+    cache.misses++;
+    cache.kept.reset();  // release the old copy before the new one is made
+    lock.unlock();
+    auto [xq, sx] = quantize_op().call(x2d, std::nullopt);
+    lock.lock();
+    cache.kept = KeptActivation{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr()),
+                                x.unsafeGetTensorImpl()->version_counter().current_version(), x.data_ptr(),
+                                x.sizes().vec(), x.strides().vec(), x.scalar_type(), x.device(), stream, xq, sx};
+    return {xq, sx};
+  }
+  return quantize_op().call(x2d, std::nullopt);
+}
+
+// The (1, K) float32 ones the backward's scale_b is, one per (device, K), made outside graph capture only.
+at::Tensor unit_scales(int64_t k, const at::TensorOptions& options) {
+  static auto* mu = new std::mutex();
+  static auto* kept = new std::unordered_map<std::string, at::Tensor>();
+  if (capturing(at::empty({0}, options))) return at::ones({1, k}, options);
+  const std::string key = options.device().str() + "/" + std::to_string(k);
+  std::lock_guard<std::mutex> lock(*mu);
+  auto it = kept->find(key);
+  if (it == kept->end()) it = kept->emplace(key, at::ones({1, k}, options)).first;
+  return it->second;
+}
+
 }  // namespace
 
-at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& w,
-                              const at::Tensor& w_scale) {
+std::vector<int64_t> fp8_activation_cache(bool clear) {
+  auto& cache = activation_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  if (clear) cache.kept.reset();
+  return {cache.kept.has_value() ? 1 : 0, cache.hits, cache.misses};
+}
+
+at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse) {
   check_operands(w, w_scale, "fp8_linear");
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.size(1), "fp8_linear: x must be (tokens, ", w.size(1), "), got ",
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(1), "fp8_linear: x must be (..., ", w.size(1), "), got ",
                     x.sizes());
-  TORCH_CHECK_VALUE(xq.sizes() == x.sizes() && sx.dim() == 2 && sx.size(0) == x.size(0) && sx.size(1) == 1,
-                    "fp8_linear: xq must have x's shape and sx (tokens, 1); got ", xq.sizes(), " and ", sx.sizes());
-  return at::_scaled_mm(aligned(xq), aligned(w).t(), aligned(sx), aligned(w_scale).view({1, -1}), std::nullopt,
-                        std::nullopt, x.scalar_type(), false);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   "fp8_linear: x must be bfloat16 or float16, got ", x.scalar_type());
+  const at::Tensor x2d = x.reshape({-1, w.size(1)});
+  auto [xq, sx] = quantized_activation(x, x2d, reuse);
+  const at::Tensor y = at::_scaled_mm(aligned(xq), aligned(w).t(), aligned(sx), aligned(w_scale).view({1, -1}),
+                                      std::nullopt, std::nullopt, x.scalar_type(), false);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  return y.view(sizes);
 }
 
 at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& w_scale) {
   check_operands(w, w_scale, "fp8_linear_dgrad");
   TORCH_CHECK_VALUE(dy.dim() == 2 && dy.size(1) == w.size(0), "fp8_linear_dgrad: dy must be (tokens, ", w.size(0),
                     "), got ", dy.sizes());
-  static auto quantize = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("trainstream::quantize_rows_e4m3", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
-                                                                       const std::optional<at::Tensor>&)>();
   static auto transpose = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("trainstream::transpose_bytes", "")
                               .typed<at::Tensor(const at::Tensor&)>();
-  auto [gq, sg] = quantize.call(dy, std::optional<at::Tensor>(w_scale.reshape({-1})));  // dy * s_w, per row
+  auto [gq, sg] = quantize_op().call(dy, std::optional<at::Tensor>(w_scale.reshape({-1})));  // dy * s_w, per row
   // The (N, K) operand column-major = a row-major (K, N) copy viewed back.
   const at::Tensor w_t = transpose.call(w);
-  const at::Tensor ones = at::ones({1, w.size(1)}, dy.options().dtype(at::kFloat));
+  const at::Tensor ones = unit_scales(w.size(1), dy.options().dtype(at::kFloat));
   return at::_scaled_mm(gq, w_t.t(), sg, ones, std::nullopt, std::nullopt, dy.scalar_type(), false);
 }
 
@@ -72,25 +196,29 @@ namespace {
 
 class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& xq,
-                            const at::Tensor& sx, const at::Tensor& w, const at::Tensor& w_scale) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& w_scale, bool reuse) {
+    at::AutoDispatchBelowADInplaceOrView guard;  // below autograd: the reshape and the view are no nodes of their own
     ctx->save_for_backward({w, w_scale});
-    return fp8_linear_forward(x, xq, sx, w, w_scale);
+    ctx->saved_data["sizes"] = x.sizes().vec();
+    return fp8_linear_forward(x, w, w_scale, reuse);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    fp8_activation_cache(true);  // a backward has begun: the forward's kept quantization is done with
     const auto saved = ctx->get_saved_variables();  // read once (a second read fails under checkpointing)
     at::Tensor dx;
-    if (ctx->needs_input_grad(0) && grads[0].defined()) dx = fp8_linear_dgrad(grads[0], saved[0], saved[1]);
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (ctx->needs_input_grad(0) && grads[0].defined()) {
+      const at::Tensor& w = saved[0];
+      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1]).view(ctx->saved_data["sizes"].toIntVector());
+    }
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& w,
-                               const at::Tensor& w_scale) {
-  return Fp8LinearFunction::apply(x, xq, sx, w, w_scale);
+at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse) {
+  return Fp8LinearFunction::apply(x, w, w_scale, reuse);
 }
 
 }  // namespace

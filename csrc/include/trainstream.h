@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
@@ -43,6 +44,11 @@ void init_shared_host(pybind11::module_& m);
 
 // csrc/cpu/staging.cpp -----------------------------------------------------------------------
 void init_staging(pybind11::module_& m);
+
+// csrc/autograd/fp8_linear.cpp --------------------------------------------------------------
+// The FP8 layer's kept activation quantization: [1 if one is kept else 0, hits, misses] (counted since load over
+// the calls with reuse=true; a miss is a quantization made); clear drops the kept one first.
+std::vector<int64_t> fp8_activation_cache(bool clear);
 
 // True when this build was compiled with CUDA support (TRAINSTREAM_WITH_CUDA).
 bool built_with_cuda();

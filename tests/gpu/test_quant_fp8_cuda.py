@@ -404,35 +404,31 @@ def test_quant_linear_fp8_takes_tensor_cores_without_host_sync(outliers):
 
 
 @requires_fp8
-def test_layers_reading_one_x_share_its_quantization_cuda(monkeypatch):
+def test_layers_reading_one_x_share_its_quantization_cuda():
     """q / k / v-like layers on one x quantize it once per stream (the same bits as quantizing it for each); a layer
     on another stream, which is not ordered after the quantizing kernel, quantizes it again; the kept quantization
-    goes when x dies."""
+    goes at the backward (ops.fp8_linear keeps it in C++)."""
     layers = [QuantLinear(_fp8_weight(n, 512, 41 + i)) for i, n in enumerate((512, 128, 128))]
-    forward_calls = []
-    real = matmul.quantize_rows_e4m3
-    monkeypatch.setattr(matmul, "quantize_rows_e4m3",
-                        lambda x, cs=None: (cs is None and forward_calls.append(x.shape), real(x, cs))[1])
     matmul.forget_activation()
+
+    def made():
+        return ops.fp8_activation_cache()["misses"]
+
+    base = made()
     x = _tokens(96, 512, 44, torch.bfloat16).view(2, 48, 512).requires_grad_()
     ys = [layer(x) for layer in layers]
-    assert len(forward_calls) == 1
+    assert made() - base == 1 and ops.fp8_activation_cache()["kept"]
     for layer, y in zip(layers, ys):
         assert torch.equal(y.view(96, -1), matmul.FP8_W8A8_SCALED_MM.forward(x.detach().view(96, 512), layer.weight))
-    before = len(forward_calls)  # the direct calls just above quantized afresh
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         y_side = layers[0](x)
-        y_side.backward(torch.ones_like(y_side))
     torch.cuda.current_stream().wait_stream(side)
-    assert len(forward_calls) == before + 1
+    assert made() - base == 2
     assert _rel(y_side, ys[0]) <= TOL[torch.bfloat16]  # the same call on another stream
     sum(y.sum() for y in ys).backward()
-    kept = matmul._LAST is not None and matmul._LAST[0]() is x  # kept while x lives (the C++ backward keeps it)
-    assert kept
-    del ys, y, y_side, x  # y: the loop variable above, the last output (its graph holds x)
-    assert matmul._LAST is None  # x died: its quantization is released
+    assert not ops.fp8_activation_cache()["kept"]  # the forward is over: the copy went with the first backward
 
 
 @requires_fp8

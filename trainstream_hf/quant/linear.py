@@ -238,9 +238,7 @@ class QuantLinear(nn.Module):
             # Python in the backward. The outlier split and empty inputs take the Python Function below.
             shape = (self.out_features, self.in_features)
             q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
-            y = path.layer(x.reshape(-1, self.in_features), q, x)
-            if y is not None:
-                y = y.view(*x.shape[:-1], self.out_features)
+            y = path.layer(x, q)
         if y is None:
             y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features),
                                            self.weight_dtype, k, *packed)

@@ -88,7 +88,7 @@ class MatmulPath:
     # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh.
     forward: Callable[..., torch.Tensor]
     backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
-    # Optional: (x (T, K), q, src) -> y (T, N) in x.dtype with its own autograd node (forward and backward as above,
+    # Optional: (x (..., K), q) -> y (..., N) in x.dtype with its own autograd node (forward and backward as above,
     # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off.
     layer: Callable[..., torch.Tensor | None] | None = None
 
@@ -140,15 +140,17 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
 #
 # Writes that bypass the version counter are not seen, as autograd does not see them either: through ``x.data``
 # (its own counter), from outside torch (a NumPy view, a raw pointer), or a CUDA graph replay rewriting its static
-# outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse; the FP8
-# layer's C++ autograd node (ops.fp8_linear) cannot call back into Python, so there the entry lasts until its tensor
-# dies or the next quantization replaces it (a training step's activations die with its graph). Nothing is kept or
+# outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse. Nothing is kept or
 # reused while a CUDA graph is being captured (an entry made outside the graph would be read by it but owned by this
 # cache). Inference-mode tensors (no version counter), tensor
 # subclasses and ``torch.compile`` tracing are quantized afresh every time. The cost: one quantized activation
 # (T x K bytes + T floats) stays alive until its tensor dies or another one replaces it.
 #
 # The reused result is the same bits as a fresh one (the quantizer is deterministic), so reuse changes no numerics.
+#
+# This serves the Python paths (the emulated W8A8 forward, the tensor-core forward of the Python Function). The
+# tensor-core layer, ops.fp8_linear, keeps its own under the same rules in C++ (csrc/autograd/fp8_linear.cpp), with no
+# Python per call; there the kept copy also goes at the first backward through an FP8 layer.
 
 _LAST: tuple | None = None  # (weakref to the source tensor, key, (x_q, s_x))
 
@@ -173,9 +175,11 @@ def _forget(ref: weakref.ref) -> None:
 
 
 def forget_activation() -> None:
-    """Drops the kept activation quantization (the next :func:`quantize_activation` quantizes afresh)."""
+    """Drops the kept activation quantizations, this module's and the tensor-core layer's (the next
+    :func:`quantize_activation` / :func:`trainstream_hf.ops.fp8_linear` quantizes afresh)."""
     global _LAST
     _LAST = None
+    ops.fp8_forget_activation()
 
 
 def _reuse_key(src: torch.Tensor) -> tuple | None:
@@ -271,13 +275,15 @@ def _dequant_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return dy.mm(dequantize(q, dy.dtype))
 
 
-def _dequant_layer(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor | None:
+def _dequant_layer(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor | None:
     """The whole layer through :func:`trainstream_hf.ops.dequant_linear` (its autograd node in C++), or None where
     this build has no native dequantize kernel for the device. Same bits as the forward / backward above."""
     fmt = q.fmt
     if fmt.native[1] is None or not ops.has_kernel(fmt.native[1], x.device):
         return None
-    return ops.dequant_linear(x, [q.tensors[n] for n in fmt.tensor_names], fmt.name)
+    n, k = q.shape
+    y = ops.dequant_linear(x.reshape(-1, k), [q.tensors[name] for name in fmt.tensor_names], fmt.name)
+    return y.view(*x.shape[:-1], n)
 
 
 def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,15 +334,15 @@ def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tenso
     return ops.fp8_linear_dgrad(dy, q.tensors["data"], q.tensors["scale"])
 
 
-def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The whole layer through :func:`trainstream_hf.ops.fp8_linear` (its autograd node in C++: the backward runs
-    no Python), or None where ``_scaled_mm`` cannot run this call (the caller falls back to the path's
-    forward / backward). Same maths and bits as :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward`."""
+def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor | None:
+    """The whole layer through :func:`trainstream_hf.ops.fp8_linear` (x quantized per row inside, or the kept
+    quantization of this very x reused; its autograd node in C++: the backward runs no Python), or None where
+    ``_scaled_mm`` cannot run this call (the caller falls back to the path's forward / backward). Same maths and bits
+    as :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward`."""
     if not _scaled_mm_ok(x.dtype, q):
         return None
-    xq, sx = quantize_activation(x, src)
     t = q.tensors
-    return ops.fp8_linear(x, xq, sx, t["data"], t["scale"])
+    return ops.fp8_linear(x, t["data"], t["scale"])
 
 
 DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward, _dequant_layer)
