@@ -52,6 +52,9 @@ TORCH_LIBRARY(trainstream, m) {
   // (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
   m.def("fp8_linear(Tensor x, Tensor w, Tensor w_scale, bool reuse=True) -> Tensor");
   m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale) -> Tensor");
+  // A LoRA adapter's contribution, result + (x A^T) B^T * scaling, with PEFT's dtypes, as one autograd node
+  // (csrc/autograd/lora_add.cpp).
+  m.def("lora_add(Tensor result, Tensor x, Tensor lora_a, Tensor lora_b, float scaling) -> Tensor");
   // The weight-only quantized linear layer (csrc/autograd/dequant_linear.cpp): y = linear(x, dequantize_<fmt>(*packed,
   // x.dtype)), differentiable in x (dx = dy @ the weight decoded again in dy's dtype).
   m.def("dequant_linear(Tensor x, Tensor[] packed, str fmt) -> Tensor");

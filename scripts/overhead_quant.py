@@ -11,6 +11,8 @@ only allocates its output, and the CPU routed to the FP8 tensor-core path (``fp8
 * ``fp8 W8A8 (scaled_mm), 1 layer``: one layer, a fresh input per call (no activation reuse).
 * ``fp8 W8A8 (scaled_mm), q/k/v on one x``: three layers reading one input (per layer call).
 * ``fp8 weight-only (dequant)`` and ``nvfp4 weight-only (dequant)``: the weight-only path.
+* ``fp8 weight-only + LoRA r=8``: a PEFT LoRA layer over a QuantLinear (fp32 adapters, bf16 autocast, as the recipes train),
+  through PEFT's own forward and through the native ``ops.lora_add`` path (trainstream_hf/quant/lora.py).
 
 Prints CPU microseconds (``time.thread_time``, so that other jobs on a shared machine count less) per layer call
 (forward + backward), min and median over ``--repeats`` runs of ``--calls`` calls. To compare with another version
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from trainstream_hf.quant import QuantLinear, matmul
+from trainstream_hf.quant.lora import QuantLoraLinear
 
 T, K, N = 4, 16, 16  # small enough that the CPU kernels take about as long as a GPU launch's host side
 
@@ -34,8 +37,35 @@ def _fake_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dt
     return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+class _PeftPath(nn.Module):
+    """A QuantLoraLinear that always takes PEFT's own forward (the native lora_add path switched off)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return super(type(self.layer), self.layer).forward(x)
+
+
+def _lora_layers(count: int, native: bool) -> list[nn.Module]:
+    from peft import LoraConfig, get_peft_model
+
+    from trainstream_hf.quant.lora import register_quant_lora
+    out = []
+    for _ in range(count):
+        base = nn.Sequential(QuantLinear.from_linear(nn.Linear(K, N, bias=False, dtype=torch.bfloat16), "fp8",
+                                                     act_quant=False))  # any base: the rows differ in LoRA only
+        model = get_peft_model(base, register_quant_lora(LoraConfig(r=8, lora_alpha=16, target_modules=["0"])))
+        layer = model.base_model.model[0]
+        out.append(layer if native else _PeftPath(layer))
+    return out
+
+
 def _layers(kind: str, count: int) -> list[nn.Module]:
     torch.manual_seed(0)
+    if kind in ("lora_peft", "lora_native"):
+        return _lora_layers(count, kind == "lora_native")
     dense = [nn.Linear(K, N, bias=False, dtype=torch.bfloat16).requires_grad_(False) for _ in range(count)]
     if kind == "bf16":
         return dense
@@ -60,14 +90,16 @@ def _step(layers, shared: bool):
     x0 = torch.randn(T, K, dtype=torch.bfloat16)
 
     def step():
-        if shared:
-            x = x0.clone().requires_grad_()  # one input for all layers (q/k/v)
-            ys = [layer(x) for layer in layers]
-            torch.autograd.grad(ys, x, [g] * len(ys))
-        else:
-            for layer in layers:
-                x = x0.clone().requires_grad_()
-                torch.autograd.grad(layer(x), x, g)
+        # the LoRA rows under the recipes' mixed precision (their adapters are fp32); the others as they were
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=isinstance(layers[0], (_PeftPath, QuantLoraLinear))):
+            if shared:
+                x = x0.clone().requires_grad_()  # one input for all layers (q/k/v)
+                ys = [layer(x) for layer in layers]
+                torch.autograd.grad(ys, x, [g] * len(ys))
+            else:
+                for layer in layers:
+                    x = x0.clone().requires_grad_()
+                    torch.autograd.grad(layer(x), x, g)
     return step
 
 
@@ -83,7 +115,9 @@ def main(argv=None) -> None:
     matmul.ACT_QUANT_FORMATS["fp8"] = matmul.FP8_W8A8_SCALED_MM  # the CPU takes the tensor-core path's wiring
     rows = [("nn.Linear bf16", "bf16", 1, False), ("fp8 W8A8 (scaled_mm), 1 layer", "fp8", 1, False),
             ("fp8 W8A8 (scaled_mm), q/k/v on one x", "fp8", 3, True),
-            ("fp8 weight-only (dequant)", "fp8_wo", 1, False), ("nvfp4 weight-only (dequant)", "nvfp4", 1, False)]
+            ("fp8 weight-only (dequant)", "fp8_wo", 1, False), ("nvfp4 weight-only (dequant)", "nvfp4", 1, False),
+            ("fp8 weight-only + LoRA r=8, PEFT's forward (fp32 adapters, autocast bf16)", "lora_peft", 1, False),
+            ("fp8 weight-only + LoRA r=8, native lora_add (fp32 adapters, autocast bf16)", "lora_native", 1, False)]
     if a.profile:
         import cProfile
         import pstats

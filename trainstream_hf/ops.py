@@ -628,6 +628,33 @@ def _fp8_linear_dgrad_fake(dy, w, w_scale):
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
 
+# --------------------------------------------------------------------------------------------
+# lora_add (a LoRA adapter's contribution with its autograd node in C++, trainstream_hf/quant/lora.py)
+# --------------------------------------------------------------------------------------------
+
+def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             scaling: float) -> torch.Tensor:
+    """``result + (x A^T) B^T * scaling``, as PEFT's vanilla ``lora.Linear`` adds it to its base layer's output
+    (dropout off), with PEFT's dtypes and rounding: the matmuls in the autocast dtype under autocast, else in the
+    adapters' dtype (x cast to it); the sum in the promoted dtype, returned in ``result``'s. Differentiable in
+    ``result``, ``x``, ``lora_a`` and ``lora_b`` through one autograd node in C++ (autograd's own matmul forms).
+
+    Args:
+        result: (..., N) the base layer's output for ``x``.
+        x: (..., K) the layer's input.
+        lora_a: (r, K); lora_b: (N, r), one floating dtype.
+        scaling: PEFT's ``lora_alpha / r`` (or its rsLoRA form).
+    """
+    return torch.ops.trainstream.lora_add.default(result, x, lora_a, lora_b, scaling)
+
+
+@torch.library.register_fake("trainstream::lora_add")
+def _lora_add_fake(result, x, lora_a, lora_b, scaling):
+    torch._check(x.shape[-1] == lora_a.shape[1] and result.shape[-1] == lora_b.shape[0],
+                 lambda: "lora_add: x must be (..., K) and result (..., N)")
+    return torch.empty_like(result)
+
+
 def dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str) -> torch.Tensor:
     """``F.linear(x, dequantize_<fmt>(*packed, x.dtype))``, differentiable in ``x`` with its autograd node in C++: the
     backward decodes the weight again in the gradient's dtype, ``dx = dy @ W``, without Python or the GIL. ``packed``

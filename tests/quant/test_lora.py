@@ -107,3 +107,93 @@ def test_dense_weight_features_are_refused_and_orthogonal_init_works(tiny_llama)
     config = LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="orthogonal")
     model = get_peft_model(quantize_model(tiny_llama(), "nf4"), register_quant_lora(config))
     assert float(model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.abs().sum()) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The native path (ops.lora_add): PEFT's numbers, one autograd node
+# ---------------------------------------------------------------------------------------------------------------
+
+def _one_layer(fmt="nf4", dropout=0.0, adapter_dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    base = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), fmt)
+    model = torch.nn.Sequential(base)
+    model = get_peft_model(model, register_quant_lora(LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
+                                                                 target_modules=["0"])))
+    layer = model.base_model.model[0]
+    assert isinstance(layer, QuantLoraLinear)
+    with torch.no_grad():  # B starts at zero; give both adapters values so every gradient is non-trivial
+        layer.lora_A["default"].weight.normal_()
+        layer.lora_B["default"].weight.normal_(std=0.1)
+    layer.lora_A["default"].to(adapter_dtype)
+    layer.lora_B["default"].to(adapter_dtype)
+    return layer
+
+
+def _run(layer, x, dy, native: bool, autocast: bool):
+    """Output and the gradients of x, A and B, through the native path or PEFT's own forward."""
+    x = x.detach().clone().requires_grad_()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    forward = layer.forward if native else (lambda t: super(QuantLoraLinear, layer).forward(t))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = forward(x)
+    grads = torch.autograd.grad(y, (x, a, b), dy)
+    return (y, *grads), y.grad_fn.name()
+
+
+@pytest.mark.parametrize("x_dtype, adapter_dtype, autocast", [
+    (torch.float32, torch.float32, False),
+    (torch.bfloat16, torch.float32, False),   # x cast to the adapters' dtype, the sum promoted, back to bf16
+    (torch.bfloat16, torch.float32, True),    # the recipes' case: matmuls in bf16 under autocast, fp32 adapters
+    (torch.bfloat16, torch.bfloat16, False),
+])
+def test_native_lora_gives_peft_numbers_bit_for_bit(x_dtype, adapter_dtype, autocast):
+    layer = _one_layer(adapter_dtype=adapter_dtype)
+    if x_dtype != torch.float32:
+        layer.base_layer.to(x_dtype)
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 64).to(x_dtype)
+    out_dtype = torch.bfloat16 if autocast or x_dtype == torch.bfloat16 else torch.float32
+    dy = torch.randn(2, 5, 48).to(out_dtype)
+    native, node = _run(layer, x, dy, native=True, autocast=autocast)
+    peft_, peft_node = _run(layer, x, dy, native=False, autocast=autocast)
+    assert "LoraAddFunction" in node and "LoraAddFunction" not in peft_node  # one node here; PEFT's graph ends in its own ops
+    assert native[0].dtype == peft_[0].dtype == out_dtype
+    for got, want, what in zip(native, peft_, ("y", "dx", "dA", "dB")):
+        assert got.dtype == want.dtype and torch.equal(got, want), what
+    assert native[2].abs().sum() > 0 and native[3].abs().sum() > 0
+
+
+def test_native_lora_is_skipped_where_peft_does_more():
+    """Dropout on, adapters disabled, a hook on an adapter module, a second active adapter: PEFT's own forward."""
+    x = torch.randn(3, 64)
+    layer = _one_layer(dropout=0.1)
+    assert layer._fast_adapter((), {}) is None
+    layer = _one_layer()
+    assert layer._fast_adapter((), {}) == "default"
+    assert "LoraAddFunction" in layer(x).grad_fn.name()
+    layer.enable_adapters(False)
+    assert layer._fast_adapter((), {}) is None
+    assert torch.equal(layer(x), layer.base_layer(x))
+    layer.enable_adapters(True)
+    seen = []
+    handle = layer.lora_A["default"].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    layer(x)
+    assert seen == [(3, 8)]  # PEFT's path called the module, so its hook ran
+    handle.remove()
+    layer.update_layer("other", r=4, lora_alpha=8, config=LoraConfig(r=4, lora_alpha=8))
+    layer.set_adapter(["default", "other"])
+    assert layer._fast_adapter((), {}) is None
+
+
+def test_native_lora_bad_operands():
+    from trainstream_hf import ops
+    x, result = torch.randn(3, 64), torch.randn(3, 48)
+    a, b = torch.randn(8, 64), torch.randn(48, 8)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\)"):
+        ops.lora_add(result, x[:, :32], a, b, 2.0)
+    with pytest.raises(ValueError, match="result must be"):
+        ops.lora_add(result[:2], x, a, b, 2.0)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        ops.lora_add(result, x, a, b.t(), 2.0)
+    with pytest.raises(TypeError, match="adapters of one dtype"):
+        ops.lora_add(result, x, a, b.double(), 2.0)
