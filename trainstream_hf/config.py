@@ -132,8 +132,9 @@ class TrainStreamConfig:
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "
                 "LoRA block. 'auto': only when the plan needs the memory (if every block keeps its weights and "
-                "activations on the device without it, it is left out: it costs a cast per copy in backward and a "
-                "Python hook per saved tensor); True: always; False: never."})
+                "activations on the device without it, or if the measured block saves no widened copy -- LoRA over "
+                "QuantLinear saves its narrow input itself -- it is left out: it costs a cast per copy in backward "
+                "and a Python hook per saved tensor); True: always; False: never."})
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANT_FORMATS:

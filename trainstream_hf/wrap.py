@@ -386,7 +386,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
         pl = make_plan(None if m is None else m.activation_bytes)
         if config.elide_casts == "auto" and casts is not None and m is not None and \
-                m.raw_activation_bytes > m.activation_bytes:
+                m.raw_activation_bytes <= m.activation_bytes:
+            # Nothing to elide (no widening cast saved: bf16 autocast, or LoRA's native path, which saves the
+            # narrow input itself): the hooks would cost a Python call per saved tensor for nothing.
+            casts.uninstall()
+            casts = None
+        elif config.elide_casts == "auto" and casts is not None and m is not None:
             # Cast elision only saves memory, and costs a Python hook per saved tensor plus a cast per saved copy in
             # backward (8B nf4 LoRA on the H200: 256 casts and ~1500 hooked tensors per step, with 5.7 GiB of the
             # budget unused). Without it, if every block still keeps its activations and weights on the device.

@@ -51,7 +51,7 @@ void check(const at::Tensor& result, const at::Tensor& x, const at::Tensor& a, c
 }
 
 struct Forward {
-  at::Tensor out, x2d, ya, a, b;  // out; what the backward needs, in the compute dtype
+  at::Tensor out, x2d, ya, a, b;  // out; what the backward needs (x2d: x as saved, see below)
 };
 
 Forward forward_impl(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_a,
@@ -59,10 +59,13 @@ Forward forward_impl(const at::Tensor& result, const at::Tensor& x, const at::Te
   check(result, x, lora_a, lora_b);
   const at::ScalarType c = compute_dtype(x, lora_a);
   Forward f;
-  f.x2d = as(x, c).reshape({-1, x.size(-1)});
+  const at::Tensor x2d = as(x, c).reshape({-1, x.size(-1)});
+  // Saved for dA: x itself where the compute dtype is at least as wide (the widening cast is exact and redone in
+  // backward: the fp32 copy PEFT's graph saves for fp32 adapters would double those bytes), else the cast.
+  f.x2d = at::elementSize(x.scalar_type()) <= at::elementSize(c) ? x.reshape({-1, x.size(-1)}) : x2d;
   f.a = as(lora_a, c);
   f.b = as(lora_b, c);
-  f.ya = at::mm(f.x2d, f.a.t());
+  f.ya = at::mm(x2d, f.a.t());
   const at::Tensor ys = at::mm(f.ya, f.b.t()).mul(scaling);
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = lora_b.size(0);
@@ -118,7 +121,7 @@ class LoraAddFunction : public torch::autograd::Function<LoraAddFunction> {
     if (ctx->needs_input_grad(3)) out[3] = as(at::mm(g_yb.t(), ya), adapter_dtype);
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
       const at::Tensor g_ya = at::mm(g_yb, b);
-      if (ctx->needs_input_grad(2)) out[2] = as(at::mm(g_ya.t(), x2d), adapter_dtype);
+      if (ctx->needs_input_grad(2)) out[2] = as(at::mm(g_ya.t(), as(x2d, c)), adapter_dtype);
       if (ctx->needs_input_grad(1)) out[1] = as(at::mm(g_ya, a), x_dtype).view(ctx->saved_data["x_sizes"].toIntVector());
     }
     return out;

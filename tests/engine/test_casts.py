@@ -248,3 +248,24 @@ def test_auto_elides_casts_only_when_the_plan_needs_the_memory():
     pl = tight.trainstream_plan
     assert not (pl.paged_blocks or pl.offloaded_activation_blocks or pl.recomputed_blocks)
     ts.unwrap(tight)
+
+
+def test_auto_installs_nothing_where_nothing_is_widened():
+    """LoRA over QuantLinear bases takes the native path (ops.lora_add), which saves the bf16 input itself: the
+    measured block has nothing to elide, so 'auto' installs no saved-tensor hooks even at a budget where the plan
+    would want the memory (they would cost a Python call per saved tensor for nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainstream_hf.quant import quantize_model
+    from trainstream_hf.quant.lora import register_quant_lora
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = quantize_model(LlamaForCausalLM(cfg).to(torch.bfloat16), "nf4")
+    model = get_peft_model(model, register_quant_lora(LoraConfig(r=4, target_modules=TARGETS)))
+    wrapped, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, batch_shape=(1, 64))
+    eng = ts.engine_of(wrapped)
+    assert eng.casts is None and eng.offloader is None
+    assert not any("_cast_input_dtype" in m.__dict__ for m in wrapped.modules())  # the recording wrapper is gone
+    ts.unwrap(wrapped)

@@ -197,3 +197,25 @@ def test_native_lora_bad_operands():
         ops.lora_add(result, x, a, b.t(), 2.0)
     with pytest.raises(TypeError, match="adapters of one dtype"):
         ops.lora_add(result, x, a, b.double(), 2.0)
+
+
+def test_native_lora_saves_the_narrow_input_not_a_widened_copy():
+    """bf16 x with fp32 adapters outside autocast: PEFT's graph saves an fp32 copy of x for dA (the engine's cast
+    elision exists for it); the native node saves x itself and widens it again in backward (exact)."""
+    layer = _one_layer()
+    layer.base_layer.to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ops_lora_add(layer, x)
+    inputs = [t for t in saved if t.shape == (4, 64)]
+    assert inputs
+    assert {t.dtype for t in inputs} == {torch.bfloat16}  # and the widened fp32 copy of x is not among them
+    y.sum().backward()
+    assert x.grad is not None and layer.lora_A["default"].weight.grad.abs().sum() > 0
+
+
+def ops_lora_add(layer, x):
+    from trainstream_hf import ops
+    return ops.lora_add(layer.base_layer(x), x, layer.lora_A["default"].weight, layer.lora_B["default"].weight,
+                        layer.scaling["default"])
