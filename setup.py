@@ -46,6 +46,22 @@ def _default_arch_list(cuda_home):
     return ";".join(archs)
 
 
+def _cublaslt(cuda_home):
+    """(include dirs, library dirs, link args) for cuBLASLt (csrc/cuda/fp8_gemm.cu): the toolkit's where it has it,
+    else the copy torch's CUDA wheels install (site-packages/nvidia/cu*/: headers and the versioned library, which
+    torch has loaded already when the extension loads). Raises SystemExit when neither has the header."""
+    if os.path.exists(os.path.join(cuda_home, "include", "cublasLt.h")):
+        return [], [], ["-lcublasLt"]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    for inc in sorted(glob.glob(os.path.join(site, "nvidia", "*", "include", "cublasLt.h")), reverse=True) + \
+            sorted(glob.glob(os.path.join(site, "nvidia", "cublas", "include", "cublasLt.h"))):
+        root = os.path.dirname(os.path.dirname(inc))
+        libs = sorted(glob.glob(os.path.join(root, "lib", "libcublasLt.so*")))
+        if libs:
+            return [os.path.join(root, "include")], [os.path.join(root, "lib")], [f"-l:{os.path.basename(libs[0])}"]
+    raise SystemExit("cuBLASLt not found: neither CUDA_HOME/include/cublasLt.h nor torch's nvidia/*/include")
+
+
 cuda_home = cpp_extension.CUDA_HOME
 with_cuda = _flag("TRAINSTREAM_CUDA", bool(cuda_home) and torch.version.cuda is not None)
 if with_cuda and not cuda_home:
@@ -69,11 +85,15 @@ if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list(cuda_home))
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     define_macros.append(("TRAINSTREAM_WITH_CUDA", "1"))
+    lt_include, lt_libdirs, lt_link = _cublaslt(cuda_home)
     ext = cpp_extension.CUDAExtension(
         "trainstream_hf._C",
         sources,
         define_macros=define_macros,
+        include_dirs=lt_include,
+        library_dirs=lt_libdirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=lt_link,
         libraries=["cudart", "rt"],  # rt: shm_open on glibc < 2.34
     )
 else:

@@ -52,6 +52,9 @@ TORCH_LIBRARY(trainstream, m) {
   // (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
   m.def("fp8_linear(Tensor x, Tensor w, Tensor w_scale, bool reuse=True) -> Tensor");
   m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale) -> Tensor");
+  // a (M, K) x b (N, K)^T with row-wise float32 scales scale_a (M), scale_b (N), float8_e4m3fn operands, on cuBLASLt
+  // with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu; CUDA builds only).
+  m.def("fp8_gemm_rowwise(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor");
   // A LoRA adapter's contribution, result + (x A^T) B^T * scaling, with PEFT's dtypes, as one autograd node
   // (csrc/autograd/lora_add.cpp).
   m.def("lora_add(Tensor result, Tensor x, Tensor lora_a, Tensor lora_b, float scaling) -> Tensor");

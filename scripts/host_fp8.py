@@ -2,8 +2,9 @@
 
 python3 scripts/host_fp8.py [--cprofile]
 
-For the Llama-3-8B block (7 layers, 2048 bf16 tokens, forward + input gradients: bench quant's block_step), bf16
-nn.Linear beside QuantLinear(fp8, W8A8 on torch._scaled_mm):
+For the Llama-3-8B block (7 layers, 2048 bf16 tokens, forward + input gradients: bench quant's block_step), three
+rows: ``bf16`` (nn.Linear), ``fp8`` (QuantLinear W8A8 on torch._scaled_mm) and ``fp8_cublaslt`` (the same layers with
+TRAINSTREAM_FP8_GEMM=cublaslt: ops.fp8_gemm_rowwise, cuBLASLt's algorithm cached per shape); for each:
 
 * ``wall``: median seconds of a synchronised step (what bench quant reports);
 * ``graph``: the same step captured once in a CUDA graph and replayed: its kernels alone, no host in the way -- the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -71,8 +73,11 @@ def main() -> None:
     ws = block_weights(linears, dev, 0)
     xs, leaves, grads = block_inputs(linears, 2048, dev, 1)
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    rows = {"bf16": [_dense(w) for w in ws], "fp8": [QuantLinear(quantize(w, "fp8"), act_quant=True) for w in ws]}
+    fp8 = [QuantLinear(quantize(w, "fp8"), act_quant=True) for w in ws]
+    # fp8_cublaslt: the same layers with their GEMMs on ops.fp8_gemm_rowwise (algorithm cached per shape)
+    rows = {"bf16": [_dense(w) for w in ws], "fp8": fp8, "fp8_cublaslt": fp8}
     for name, layers in rows.items():
+        os.environ["TRAINSTREAM_FP8_GEMM"] = "cublaslt" if name == "fp8_cublaslt" else "torch"
         step = block_step(layers, xs, leaves, grads)
 
         def forward(layers=layers):
@@ -86,6 +91,7 @@ def main() -> None:
              "enqueue_step_ms": 1e3 * enqueue_seconds(step, 5), "enqueue_forward_ms": 1e3 * enqueue_seconds(forward, 5),
              "enqueue_forward_no_grad_ms": 1e3 * enqueue_seconds(forward_no_grad, 5)}
         out[name] = r
+    os.environ["TRAINSTREAM_FP8_GEMM"] = "torch"
     # The native calls alone, the same 7 layers: forward = quantize x + fp8_linear, backward = fp8_linear_dgrad.
     qs = rows["fp8"]
     plain = [x.detach() for x in xs]

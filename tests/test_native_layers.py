@@ -173,3 +173,15 @@ def test_dequant_node_bad_input():
         ops.dequant_linear(torch.randn(2, 64), packed, "nf4")
     with pytest.raises(ValueError, match="2-D"):
         ops.dequant_linear(torch.randn(64), packed, "int8")
+
+
+def test_fp8_gemm_rowwise_is_cuda_only_and_traceable():
+    """The cuBLASLt GEMM has a CUDA kernel only (tests/gpu checks its numbers); its fake kernel gives shapes to meta
+    tensors and torch.compile."""
+    a = torch.empty(6, 32, dtype=torch.float8_e4m3fn, device="meta")
+    b = torch.empty(48, 32, dtype=torch.float8_e4m3fn, device="meta")
+    out = ops.fp8_gemm_rowwise(a, b, torch.empty(6, device="meta"), torch.empty(48, device="meta"), torch.float16)
+    assert out.shape == (6, 48) and out.dtype == torch.float16
+    with pytest.raises(NotImplementedError, match="CPU"):
+        ops.fp8_gemm_rowwise(torch.zeros(6, 32, dtype=torch.float8_e4m3fn), torch.zeros(48, 32, dtype=torch.float8_e4m3fn),
+                             torch.ones(6), torch.ones(48))

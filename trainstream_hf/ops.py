@@ -596,6 +596,28 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
     return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse)
 
 
+def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(a @ b.T) * scale_a[:, None] * scale_b[None, :]`` in ``out_dtype``: what ``torch._scaled_mm(a, b.t(),
+    scale_a (M, 1), scale_b (1, N))`` computes, on cuBLASLt with its algorithm chosen once per shape instead of on
+    every call (CUDA builds, sm_90 and cuBLAS 12.9+; csrc/cuda/fp8_gemm.cu). The FP8 layer uses it where
+    ``TRAINSTREAM_FP8_GEMM=cublaslt``.
+
+    Args:
+        a: (M, K) float8_e4m3fn; b: (N, K) float8_e4m3fn (row-major, as a linear layer's weight).
+        scale_a: float32, M values; scale_b: float32, N values.
+        out_dtype: bfloat16, float16 or float32.
+    """
+    return torch.ops.trainstream.fp8_gemm_rowwise.default(a, b, scale_a, scale_b, out_dtype)
+
+
+@torch.library.register_fake("trainstream::fp8_gemm_rowwise")
+def _fp8_gemm_rowwise_fake(a, b, scale_a, scale_b, out_dtype):
+    torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
+                 lambda: "fp8_gemm_rowwise: a must be (M, K) and b (N, K)")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
 def fp8_activation_cache() -> dict:
     """The kept activation quantization of :func:`fp8_linear`: ``{"kept": bool, "hits": int, "misses": int}`` (counts
     since the library loaded, over the calls with ``reuse``; a miss is a quantization made)."""

@@ -35,7 +35,9 @@
 #include <torch/library.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -154,6 +156,24 @@ at::Tensor unit_scales(int64_t k, const at::TensorOptions& options) {
   return it->second;
 }
 
+// a (M, K) x b (N, K)^T with row-wise scales sa (M, 1) and sb (N values), in out_dtype: torch._scaled_mm, or the
+// cuBLASLt call with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu) where TRAINSTREAM_FP8_GEMM=cublaslt
+// (opt-in until it is measured on the GPU).
+at::Tensor scaled_mm_rowwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                             at::ScalarType out_dtype) {
+  if (a.is_cuda()) {
+    const char* choice = std::getenv("TRAINSTREAM_FP8_GEMM");
+    if (choice != nullptr && std::string(choice) == "cublaslt") {
+      static auto gemm = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("trainstream::fp8_gemm_rowwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, at::ScalarType)>();
+      return gemm.call(a, b, sa.reshape({-1}), sb.reshape({-1}), out_dtype);
+    }
+  }
+  return at::_scaled_mm(a, b.t(), sa, sb.view({1, -1}), std::nullopt, std::nullopt, out_dtype, false);
+}
+
 }  // namespace
 
 std::vector<int64_t> fp8_activation_cache(bool clear) {
@@ -171,8 +191,7 @@ at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at
                    "fp8_linear: x must be bfloat16 or float16, got ", x.scalar_type());
   const at::Tensor x2d = x.reshape({-1, w.size(1)});
   auto [xq, sx] = quantized_activation(x, x2d, reuse);
-  const at::Tensor y = at::_scaled_mm(aligned(xq), aligned(w).t(), aligned(sx), aligned(w_scale).view({1, -1}),
-                                      std::nullopt, std::nullopt, x.scalar_type(), false);
+  const at::Tensor y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = w.size(0);
   return y.view(sizes);
@@ -189,7 +208,7 @@ at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at:
   // The (N, K) operand column-major = a row-major (K, N) copy viewed back.
   const at::Tensor w_t = transpose.call(w);
   const at::Tensor ones = unit_scales(w.size(1), dy.options().dtype(at::kFloat));
-  return at::_scaled_mm(gq, w_t.t(), sg, ones, std::nullopt, std::nullopt, dy.scalar_type(), false);
+  return scaled_mm_rowwise(gq, w_t, sg, ones, dy.scalar_type());
 }
 
 namespace {

@@ -4,6 +4,7 @@ forward and backward; no host sync; GB/s of the new kernels against a device-to-
 the FP8 path (printed: ``pytest -s -k bandwidth``, or ``python tests/gpu/test_quant_fp8_cuda.py``).
 """
 import statistics
+import time
 
 import pytest
 import torch
@@ -429,6 +430,74 @@ def test_layers_reading_one_x_share_its_quantization_cuda():
     assert _rel(y_side, ys[0]) <= TOL[torch.bfloat16]  # the same call on another stream
     sum(y.sum() for y in ys).backward()
     assert not ops.fp8_activation_cache()["kept"]  # the forward is over: the copy went with the first backward
+
+
+def _needs_rowwise_cublaslt():
+    try:
+        ops.fp8_gemm_rowwise(torch.zeros(16, 16, device="cuda", dtype=torch.float8_e4m3fn),
+                             torch.zeros(16, 16, device="cuda", dtype=torch.float8_e4m3fn),
+                             torch.ones(16, device="cuda"), torch.ones(16, device="cuda"))
+    except RuntimeError as e:  # a cuBLAS older than 12.9, or no algorithm for sm_89
+        pytest.skip(f"no row-wise FP8 cuBLASLt here: {str(e).splitlines()[0]}")
+
+
+@requires_fp8
+@pytest.mark.parametrize("m, n, k", [(2048, 4096, 4096), (2048, 14336, 4096), (2048, 4096, 14336), (100, 1024, 512)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemm_rowwise_matches_scaled_mm(m, n, k, out_dtype):
+    """ops.fp8_gemm_rowwise (cuBLASLt, algorithm cached per shape) against torch._scaled_mm with the same row-wise
+    scales: the same library and maths; bit-equal where both pick the same algorithm, and within an accumulation
+    order's rounding otherwise (printed)."""
+    _needs_rowwise_cublaslt()
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn)
+    sa = torch.rand(m, device="cuda", generator=g) + 0.5
+    sb = torch.rand(n, device="cuda", generator=g) + 0.5
+    want = torch._scaled_mm(a, b.t(), scale_a=sa.view(-1, 1), scale_b=sb.view(1, -1), out_dtype=out_dtype)
+    for _ in range(2):  # the second call takes the cached algorithm
+        got = ops.fp8_gemm_rowwise(a, b, sa, sb, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        print(f"fp8_gemm_rowwise {m}x{n}x{k} {out_dtype}: equal={torch.equal(got, want)} rel={_rel(got, want):.2e}")
+        assert _rel(got, want) <= TOL[out_dtype]
+
+
+@requires_fp8
+def test_fp8_layer_on_the_cached_gemm_matches_torch(monkeypatch):
+    """TRAINSTREAM_FP8_GEMM=cublaslt sends the FP8 layer's two GEMMs to ops.fp8_gemm_rowwise: outputs and input
+    gradients as with torch._scaled_mm (within a rounding), no host sync, and its host time per layer call printed
+    beside torch's."""
+    _needs_rowwise_cublaslt()
+    layer = QuantLinear(_fp8_weight(1024, 4096, 61))
+    x = _tokens(2048, 4096, 62, torch.bfloat16).requires_grad_()
+    dy = _tokens(2048, 1024, 63, torch.bfloat16)
+    results, host = {}, {}
+    for choice in ("torch", "cublaslt"):
+        monkeypatch.setenv("TRAINSTREAM_FP8_GEMM", choice)
+        matmul.forget_activation()
+        y = layer(x)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        results[choice] = (y, dx)
+
+        def call():
+            matmul.forget_activation()
+            torch.autograd.grad(layer(x), x, dy)
+        call()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))  # the GPU busy: time the enqueue alone
+        t0 = time.perf_counter()
+        for _ in range(20):
+            call()
+        host[choice] = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"host us per fp8 layer call (fwd + dx), 2048 x 4096 -> 1024: {host}")
+    (y0, dx0), (y1, dx1) = results["torch"], results["cublaslt"]
+    assert _rel(y1, y0) <= TOL[torch.bfloat16] and _rel(dx1, dx0) <= TOL[torch.bfloat16]
 
 
 @requires_fp8
