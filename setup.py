@@ -47,19 +47,20 @@ def _default_arch_list(cuda_home):
 
 
 def _cublaslt(cuda_home):
-    """(include dirs, library dirs, link args) for cuBLASLt (csrc/cuda/fp8_gemm.cu): the toolkit's where it has it,
-    else the copy torch's CUDA wheels install (site-packages/nvidia/cu*/: headers and the versioned library, which
-    torch has loaded already when the extension loads). Raises SystemExit when neither has the header."""
-    if os.path.exists(os.path.join(cuda_home, "include", "cublasLt.h")):
-        return [], [], ["-lcublasLt"]
+    """(include dirs, library dirs, link args) for cuBLASLt (csrc/cuda/fp8_gemm.cu): first the copy torch's CUDA
+    wheels install (site-packages/nvidia/cu*/ or nvidia/cublas/: the very library torch loads, so its soname is
+    resolved when the extension loads), else the toolkit's. Raises SystemExit when neither has header and library."""
     site = os.path.dirname(os.path.dirname(torch.__file__))
-    for inc in sorted(glob.glob(os.path.join(site, "nvidia", "*", "include", "cublasLt.h")), reverse=True) + \
-            sorted(glob.glob(os.path.join(site, "nvidia", "cublas", "include", "cublasLt.h"))):
+    for inc in sorted(glob.glob(os.path.join(site, "nvidia", "*", "include", "cublasLt.h")), reverse=True):
         root = os.path.dirname(os.path.dirname(inc))
         libs = sorted(glob.glob(os.path.join(root, "lib", "libcublasLt.so*")))
         if libs:
             return [os.path.join(root, "include")], [os.path.join(root, "lib")], [f"-l:{os.path.basename(libs[0])}"]
-    raise SystemExit("cuBLASLt not found: neither CUDA_HOME/include/cublasLt.h nor torch's nvidia/*/include")
+    header = os.path.join(cuda_home, "include", "cublasLt.h")
+    if os.path.exists(header) and glob.glob(os.path.join(cuda_home, "lib*", "libcublasLt.so*")):
+        return [], [], ["-lcublasLt"]
+    raise SystemExit("cuBLASLt not found: neither torch's nvidia/*/include + lib nor CUDA_HOME has cublasLt.h and "
+                     "libcublasLt.so")
 
 
 cuda_home = cpp_extension.CUDA_HOME

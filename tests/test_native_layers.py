@@ -171,8 +171,28 @@ def test_dequant_node_bad_input():
         ops.dequant_linear(torch.randn(2, 64), packed, "int4")
     with pytest.raises(ValueError, match="takes 4 packed tensors"):
         ops.dequant_linear(torch.randn(2, 64), packed, "nf4")
-    with pytest.raises(ValueError, match="2-D"):
-        ops.dequant_linear(torch.randn(64), packed, "int8")
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\)"):
+        ops.dequant_linear(torch.randn(2, 32), packed, "int8")
+    with pytest.raises(ValueError, match="got a scalar"):
+        ops.dequant_linear(torch.randn(()), packed, "int8")
+
+
+def test_dequant_node_takes_any_leading_dimensions_without_view_nodes():
+    """(..., K) in, (..., N) out, the reshapes inside the node: the output's grad_fn is the C++ node itself (no
+    ViewBackward on either side), and the numbers are those of the 2-D call."""
+    layer = QuantLinear(quantize(torch.randn(32, 64), "nf4"), act_quant=False)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 3, 32) and "DequantLinearFunction" in y.grad_fn.name()
+    assert all("View" not in n for n in _graph_names(y))
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x2 = x.detach().reshape(6, 64).requires_grad_()
+    y2 = layer(x2)
+    (dx2,) = torch.autograd.grad(y2, x2, dy.reshape(6, 32))
+    assert torch.equal(y.detach().reshape(6, 32), y2) and torch.equal(dx.reshape(6, 64), dx2)
+    # a single token (1-D) too; a one-row GEMM may round differently from a six-row one (another kernel path)
+    torch.testing.assert_close(layer(x.detach()[0, 0]), y2[0].detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_gemm_rowwise_is_cuda_only_and_traceable():

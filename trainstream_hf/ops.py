@@ -683,7 +683,7 @@ def dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str) -> tor
     (the format's tensors in ``QuantFormat.tensor_names`` order) is saved with ``save_for_backward``.
 
     Args:
-        x: (T, K) float32 / bfloat16 / float16.
+        x: (..., K) float32 / bfloat16 / float16 (y is (..., N); the reshapes happen inside, no autograd nodes).
         packed: the weight's packed tensors (``QuantizedTensor.tensors`` values).
         fmt: ``"int8"``, ``"nf4"``, ``"fp8"`` or ``"nvfp4"``.
     """
@@ -692,5 +692,5 @@ def dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str) -> tor
 
 @torch.library.register_fake("trainstream::dequant_linear")
 def _dequant_linear_fake(x, packed, fmt):
-    torch._check(x.dim() == 2, lambda: "dequant_linear: x must be 2-D")
-    return x.new_empty((x.shape[0], packed[0].shape[0]))
+    torch._check(x.dim() >= 1, lambda: "dequant_linear: x must be (..., K)")
+    return x.new_empty((*x.shape[:-1], packed[0].shape[0]))

@@ -1,6 +1,7 @@
 // The weight-only quantized linear layer's autograd node in C++ (trainstream_hf/quant/matmul.py, path "dequant").
 //
-//   dequant_linear(x, packed, fmt) -> y = linear(x, dequantize_<fmt>(*packed, x.dtype)), differentiable in x:
+//   dequant_linear(x, packed, fmt) -> y = linear(x, dequantize_<fmt>(*packed, x.dtype)), x (..., K) -> y (..., N),
+//       differentiable in x:
 //       dx = dy @ dequantize_<fmt>(*packed, dy.dtype). The weight is decoded again in the backward, never saved in
 //       16 bits; packed (the format's codes and scales, fmt.tensor_names order) is saved with save_for_backward, so
 //       saved-tensor hooks (the engine's weight pager, checkpointing) see it. No gradient for the weight.
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 namespace trainstream {
 namespace {
@@ -53,8 +55,14 @@ at::Tensor dequant_linear_forward(const at::Tensor& x, at::TensorList packed, c1
   const int64_t count = decoder(fmt).packed;
   TORCH_CHECK_VALUE(static_cast<int64_t>(packed.size()) == count, "dequant_linear: ", fmt, " takes ", count,
                     " packed tensors, got ", packed.size());
-  TORCH_CHECK_VALUE(x.dim() == 2, "dequant_linear: x must be 2-D (tokens, in_features), got shape ", x.sizes());
-  return at::linear(x, decode(fmt, packed.vec(), x.scalar_type()));
+  TORCH_CHECK_VALUE(x.dim() >= 1, "dequant_linear: x must be (..., in_features), got a scalar");
+  // (..., K) -> (T, K) -> (T, N) -> (..., N) here, below autograd: no view nodes of their own (the layer is called
+  // 224 times per step of an 8B Llama LoRA).
+  const at::Tensor w = decode(fmt, packed.vec(), x.scalar_type());
+  TORCH_CHECK_VALUE(x.size(-1) == w.size(1), "dequant_linear: x must be (..., ", w.size(1), "), got ", x.sizes());
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  return at::linear(x.reshape({-1, w.size(1)}), w).view(sizes);
 }
 
 namespace {
@@ -66,6 +74,7 @@ class DequantLinearFunction : public torch::autograd::Function<DequantLinearFunc
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward(packed.vec());
     ctx->saved_data["fmt"] = std::string(fmt);
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
     return dequant_linear_forward(x, packed, fmt);
   }
 
@@ -75,7 +84,8 @@ class DequantLinearFunction : public torch::autograd::Function<DequantLinearFunc
     at::Tensor dx;
     if (ctx->needs_input_grad(0) && grads[0].defined()) {
       const at::Tensor& dy = grads[0];
-      dx = dy.mm(decode(ctx->saved_data["fmt"].toStringRef(), saved, dy.scalar_type()));
+      const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), saved, dy.scalar_type());
+      dx = dy.reshape({-1, w.size(0)}).mm(w).view(ctx->saved_data["x_sizes"].toIntVector());
     }
     // One gradient per forward input: x, then each packed tensor (a TensorList counts as its tensors), fmt.
     torch::autograd::variable_list out(saved.size() + 2);

@@ -281,9 +281,7 @@ def _dequant_layer(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor | None:
     fmt = q.fmt
     if fmt.native[1] is None or not ops.has_kernel(fmt.native[1], x.device):
         return None
-    n, k = q.shape
-    y = ops.dequant_linear(x.reshape(-1, k), [q.tensors[name] for name in fmt.tensor_names], fmt.name)
-    return y.view(*x.shape[:-1], n)
+    return ops.dequant_linear(x, [q.tensors[name] for name in fmt.tensor_names], fmt.name)
 
 
 def _fp8_w8a8_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tensor | None = None) -> torch.Tensor:
