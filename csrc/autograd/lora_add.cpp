@@ -10,6 +10,12 @@
 // takes autograd's own matmul forms for the three gradients (dB = g^T (x A^T), dA = (g B)^T x, dx = (g B) A with
 // g = d_out * scaling), so the numbers are the ones PEFT's graph computes.
 //
+// A power-of-two scaling (lora_alpha / r = 2 for the recipes' 32 / 16) is folded into the small (N, r) copy of B
+// instead of multiplying the (T, N) product, forward and backward: scaling by 2^k commutes with every rounding of
+// the matmul (products, fp32 accumulation, the final cast), so the bits are PEFT's, barring results in the subnormal
+// range, and the step saves two passes over a T x N activation per adapter. Any other scaling is multiplied where
+// PEFT multiplies.
+//
 // Why C++: per adapter and step PEFT's path is ~14 ops and ~9 autograd nodes (two weight casts, two linear layers
 // with their view nodes, a multiply, an add, three gradient casts), each with its host cost; a Llama-3-8B LoRA over
 // all linear layers has 224 adapters, and its training step is host-bound on the H200 (benchmarks/NOTES.md). Here
@@ -18,6 +24,8 @@
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <cmath>
 
 namespace trainstream {
 namespace {
@@ -51,8 +59,14 @@ void check(const at::Tensor& result, const at::Tensor& x, const at::Tensor& a, c
 }
 
 struct Forward {
-  at::Tensor out, x2d, ya, a, b;  // out; what the backward needs (x2d: x as saved, see below)
+  at::Tensor out, x2d, ya, a, b;  // out; what the backward needs (x2d: x as saved, b: times scaling if folded)
 };
+
+// Whether scaling is a power of two (folded into B, see the top of this file).
+bool power_of_two(double scaling) {
+  int exponent = 0;
+  return scaling > 0 && std::frexp(scaling, &exponent) == 0.5;
+}
 
 Forward forward_impl(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_a,
                      const at::Tensor& lora_b, double scaling) {
@@ -64,9 +78,15 @@ Forward forward_impl(const at::Tensor& result, const at::Tensor& x, const at::Te
   // backward: the fp32 copy PEFT's graph saves for fp32 adapters would double those bytes), else the cast.
   f.x2d = at::elementSize(x.scalar_type()) <= at::elementSize(c) ? x.reshape({-1, x.size(-1)}) : x2d;
   f.a = as(lora_a, c);
-  f.b = as(lora_b, c);
   f.ya = at::mm(x2d, f.a.t());
-  const at::Tensor ys = at::mm(f.ya, f.b.t()).mul(scaling);
+  at::Tensor ys;
+  if (power_of_two(scaling)) {
+    f.b = as(lora_b, c).mul(scaling);  // exact: a power of two
+    ys = at::mm(f.ya, f.b.t());
+  } else {
+    f.b = as(lora_b, c);
+    ys = at::mm(f.ya, f.b.t()).mul(scaling);
+  }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = lora_b.size(0);
   const at::Tensor sum = at::add(result, ys.view(sizes));
@@ -117,8 +137,14 @@ class LoraAddFunction : public torch::autograd::Function<LoraAddFunction> {
     const at::Tensor g_sum = as(g, sum_dtype);
     if (ctx->needs_input_grad(0)) out[0] = as(g_sum, result_dtype);
     if (!(ctx->needs_input_grad(1) || ctx->needs_input_grad(2) || ctx->needs_input_grad(3))) return out;
-    const at::Tensor g_yb = as(g_sum, c).reshape({-1, b.size(0)}).mul(ctx->saved_data["scaling"].toDouble());
-    if (ctx->needs_input_grad(3)) out[3] = as(at::mm(g_yb.t(), ya), adapter_dtype);
+    const double scaling = ctx->saved_data["scaling"].toDouble();
+    const bool folded = power_of_two(scaling);  // then b holds B * scaling
+    const at::Tensor g_c = as(g_sum, c).reshape({-1, b.size(0)});
+    const at::Tensor g_yb = folded ? g_c : g_c.mul(scaling);
+    if (ctx->needs_input_grad(3)) {
+      const at::Tensor d_b = at::mm(g_yb.t(), ya);
+      out[3] = as(folded ? d_b.mul(scaling) : d_b, adapter_dtype);
+    }
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
       const at::Tensor g_ya = at::mm(g_yb, b);
       if (ctx->needs_input_grad(2)) out[2] = as(at::mm(g_ya.t(), as(x2d, c)), adapter_dtype);

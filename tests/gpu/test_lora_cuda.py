@@ -12,11 +12,12 @@ from trainstream_hf.quant.lora import QuantLoraLinear, register_quant_lora  # no
 
 @pytest.mark.parametrize("fmt", ["nf4", "fp8"])
 @pytest.mark.parametrize("autocast", [True, False])
-def test_native_lora_gives_peft_numbers_bit_for_bit_cuda(fmt, autocast):
+@pytest.mark.parametrize("alpha", [32, 24])  # scaling 2 (folded into B) and 1.5 (multiplied as PEFT does)
+def test_native_lora_gives_peft_numbers_bit_for_bit_cuda(fmt, autocast, alpha):
     torch.manual_seed(0)
     base = QuantLinear.from_linear(torch.nn.Linear(256, 192, bias=False), fmt).to("cuda", torch.bfloat16)
     model = get_peft_model(torch.nn.Sequential(base), register_quant_lora(
-        LoraConfig(r=16, lora_alpha=32, target_modules=["0"])))
+        LoraConfig(r=16, lora_alpha=alpha, target_modules=["0"])))
     layer = model.base_model.model[0]
     with torch.no_grad():
         layer.lora_A["default"].weight.normal_()

@@ -113,11 +113,11 @@ def test_dense_weight_features_are_refused_and_orthogonal_init_works(tiny_llama)
 # The native path (ops.lora_add): PEFT's numbers, one autograd node
 # ---------------------------------------------------------------------------------------------------------------
 
-def _one_layer(fmt="nf4", dropout=0.0, adapter_dtype=torch.float32, seed=0):
+def _one_layer(fmt="nf4", dropout=0.0, adapter_dtype=torch.float32, seed=0, alpha=16):
     torch.manual_seed(seed)
     base = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), fmt)
     model = torch.nn.Sequential(base)
-    model = get_peft_model(model, register_quant_lora(LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
+    model = get_peft_model(model, register_quant_lora(LoraConfig(r=8, lora_alpha=alpha, lora_dropout=dropout,
                                                                  target_modules=["0"])))
     layer = model.base_model.model[0]
     assert isinstance(layer, QuantLoraLinear)
@@ -146,8 +146,10 @@ def _run(layer, x, dy, native: bool, autocast: bool):
     (torch.bfloat16, torch.float32, True),    # the recipes' case: matmuls in bf16 under autocast, fp32 adapters
     (torch.bfloat16, torch.bfloat16, False),
 ])
-def test_native_lora_gives_peft_numbers_bit_for_bit(x_dtype, adapter_dtype, autocast):
-    layer = _one_layer(adapter_dtype=adapter_dtype)
+@pytest.mark.parametrize("alpha", [16, 4, 12])  # scaling 2 and 0.5 (folded into B), 1.5 (multiplied as PEFT does)
+def test_native_lora_gives_peft_numbers_bit_for_bit(x_dtype, adapter_dtype, autocast, alpha):
+    layer = _one_layer(adapter_dtype=adapter_dtype, alpha=alpha)
+    assert layer.scaling["default"] == alpha / 8
     if x_dtype != torch.float32:
         layer.base_layer.to(x_dtype)
     torch.manual_seed(1)
