@@ -53,7 +53,8 @@ __all__ = ["MODES", "NOT_OPTIONS", "env_config", "parse_value", "enable", "insta
 MODES = ("off", "on", "auto")
 # TRAINSTREAM_* variables that are not TrainStreamConfig options, and who reads them.
 NOT_OPTIONS = {"TRAINSTREAM_TRACE": "the engine (Chrome trace file)", "TRAINSTREAM_CUDA": "setup.py (build switch)",
-               "TRAINSTREAM_CPU_ISA": "the native CPU kernels", "TRAINSTREAM_COMMIT": "the benchmarks"}
+               "TRAINSTREAM_CPU_ISA": "the native CPU kernels", "TRAINSTREAM_COMMIT": "the benchmarks",
+               "TRAINSTREAM_FP8_GEMM": "the native FP8 layer (cublaslt: its cached cuBLASLt GEMM)"}
 TRAINER_MODULE = "transformers.trainer"
 PTH_NAME = "trainstream_hf_autostart.pth"
 STUB_NAME = "trainstream_hf_autostart.py"

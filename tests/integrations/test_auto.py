@@ -162,7 +162,7 @@ def test_env_config_parsing():
                             "TRAINSTREAM_OFFLOAD_OPTIMIZER": "true", "TRAINSTREAM_SLOTS": "3",
                             "TRAINSTREAM_BATCH_SHAPE": "1,2048", "TRAINSTREAM_HOST_ARENA": "none",
                             "TRAINSTREAM_OUTLIERS": "0.01", "TRAINSTREAM_TRACE": "/tmp/t.json",
-                            "TRAINSTREAM_CUDA": "1", "TRAINSTREAM_CPU_ISA": "avx2"})
+                            "TRAINSTREAM_CUDA": "1", "TRAINSTREAM_CPU_ISA": "avx2", "TRAINSTREAM_FP8_GEMM": "cublaslt"})
     assert mode == "auto"
     assert cfg == TrainStreamConfig(vram_budget="24GiB", quantize="nf4", offload_optimizer=True, slots=3,
                                     batch_shape=(1, 2048), host_arena=None, outliers=0.01)
