@@ -15,10 +15,11 @@ Either loop leaves the engine installed: the model is unwrapped only to be evalu
 see the plain model), since unwrapping puts every weight on the device. Prints a summary (the same fields for both
 loops: per-step losses and wall times, the engine's figures) and writes it to ``<output_dir>/summary.json``. Under
 ``accelerate launch`` it takes the launch config's mixed precision
-(``mixed_precision: auto``). Launched as several processes (``accelerate launch --num_processes N``, torchrun), the
-plain loop trains data parallel (trainstream_hf/train/processes.py): a replica per GPU, each on its share of the
-global batch (``train.batch_size`` per process), wrapped by the engine with DistributedDataParallel around it; rank 0
-evaluates and writes the summary, which gathers every process's step times and host memory.
+(``mixed_precision: auto``). Launched as several processes (``accelerate launch --num_processes N``, torchrun),
+either loop trains data parallel (trainstream_hf/train/processes.py): a replica per GPU, each on its share of the
+global batch (``train.batch_size`` per process), wrapped by the engine with DistributedDataParallel around it (the
+plain loop builds it; the Trainer's Accelerate does, after the engine went in); rank 0 evaluates and writes the
+summary, which gathers every process's step times and host memory.
 ``python recipes/sft.py --help`` lists every option.
 """
 from __future__ import annotations
@@ -51,14 +52,12 @@ def main(argv: list[str] | None = None) -> dict:
     # Everything the run reads or writes is checked before the model is built; nothing is written before training
     # ends (then the summary, and the model with save_model, each complete or absent).
     procs = processes.from_environment()
-    if procs.several and cfg.loop == "trainer":
-        processes.require_single(procs, "loop 'trainer'")
     mixed = models.resolve_mixed_precision(cfg.mixed_precision)
     device = processes.device_for(cfg.device, procs) or models.resolve_device(cfg.device)
     models.cap_vram(cfg.vram_cap, device)
     processes.start(procs, device)
-    if cfg.loop == "trainer" and device.type == "cuda" and device.index != 0:
-        # The Trainer trains on the process's first visible GPU.
+    if cfg.loop == "trainer" and device.type == "cuda" and device.index != 0 and not procs.several:
+        # The Trainer trains on the process's first visible GPU (under several processes: on GPU LOCAL_RANK).
         raise ConfigError(f"device={cfg.device!r}: loop 'trainer' trains on cuda:0; pick the GPU with "
                           "CUDA_VISIBLE_DEVICES instead")
     report.check_output_dir(cfg.output_dir)
@@ -96,16 +95,17 @@ def main(argv: list[str] | None = None) -> dict:
         model, log, tokens = train_plain(model, batches, tc, ts_cfg, device, mixed, procs)
     else:
         model, log, tokens = train_with_trainer(model, train_rows, tokenizer.pad_token_id, tc, ts_cfg, device,
-                                                mixed, seed=cfg.seed)
+                                                mixed, seed=cfg.seed, show=procs.main)
     engine = None
     # Every process's figures, taken while the engine still holds its host memory (rank 0 reports them all).
     mine = {"rank": procs.rank, "device": str(device), "median_step_seconds": statistics.median(log.seconds),
-            **processes.host_memory()}
+            "trainable_checksum": processes.trainable_checksum(model), **processes.host_memory()}
     if cfg.wrap:
         engine = {"plan": report.plan_summary(model.trainstream_plan), **log.engine_summary()}
         mine["host_shared_bytes"] = log.engine[-1].get("host_shared_bytes", 0) if log.engine else 0
     per_process = processes.gather(mine, procs)
-    tokens = processes.total(tokens, procs, device)
+    if cfg.loop == "plain":  # the Trainer counts every process's tokens already (num_input_tokens_seen)
+        tokens = processes.total(tokens, procs, device)
     if cfg.wrap and (cfg.eval.enabled or cfg.save_model) and procs.main:
         # An ordinary model again, every weight on the device (so it must fit there whole).
         model = trainstream_hf.unwrap(model)
@@ -212,8 +212,8 @@ class _StepLogCallback(TrainerCallback):
     and its loss from the log the Trainer writes right after the step (``logging_steps=1``). Shows the engine's plan
     and a progress bar as the plain loop does."""
 
-    def __init__(self, log: report.StepLog, device: torch.device, log_every: int):
-        self.log, self.device, self.log_every = log, device, log_every
+    def __init__(self, log: report.StepLog, device: torch.device, log_every: int, show: bool = True):
+        self.log, self.device, self.log_every, self.show = log, device, log_every, show
         self.bar = None
         self._t0 = self._seconds = 0.0
 
@@ -223,9 +223,9 @@ class _StepLogCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         engine = trainstream_hf.engine_of(model) if model is not None else None
-        if engine is not None:
+        if engine is not None and self.show:
             tqdm.write(str(engine.plan))
-        self.bar = tqdm(total=state.max_steps, desc="sft", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=state.max_steps, desc="sft", unit="step", dynamic_ncols=True, disable=not self.show)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._sync()
@@ -248,9 +248,13 @@ class _StepLogCallback(TrainerCallback):
         self.bar.close()
 
 
-def train_with_trainer(model, rows, pad_id: int, tc, ts_cfg, device: torch.device, mixed: str, *, seed: int):
+def train_with_trainer(model, rows, pad_id: int, tc, ts_cfg, device: torch.device, mixed: str, *, seed: int,
+                       show: bool = True):
     """``tc.steps`` steps of transformers' Trainer as TrainStreamTrainer, with the engine's ``ts_cfg`` (None: no
-    engine, the baseline) installed when the Trainer creates its optimizer and left installed after training.
+    engine, the baseline) installed when the Trainer creates its optimizer and left installed after training. Under
+    several processes the Trainer (Accelerate) builds DDP around the model after the engine went in (the optimizer,
+    hence the engine, comes before ``accelerator.prepare``) and gives each process its share of the data; ``show``:
+    this process prints the plan and the bar.
 
     Args:
         rows: the tokenized training sequences, batched as :func:`data.batches` batches them (right-padded, every
@@ -258,7 +262,8 @@ def train_with_trainer(model, rows, pad_id: int, tc, ts_cfg, device: torch.devic
             seeded order.
 
     Returns:
-        The model (still wrapped), its :class:`report.StepLog` and the number of tokens trained on.
+        The model (still wrapped), its :class:`report.StepLog` and the number of tokens trained on (by every
+        process: the Trainer sums them).
     """
     log = report.StepLog(model)
     # The Trainer's output_dir is a scratch directory, removed afterwards: the run writes only its own output_dir,
@@ -277,7 +282,7 @@ def train_with_trainer(model, rows, pad_id: int, tc, ts_cfg, device: torch.devic
                                      data_collator=partial(data.collate, pad_id=pad_id), trainstream_config=ts_cfg,
                                      trainstream_unwrap_at_end=False)
         trainer.remove_callback(ProgressCallback)  # it prints every log; the bar below shows one every log_every
-        trainer.add_callback(_StepLogCallback(log, device, tc.log_every))
+        trainer.add_callback(_StepLogCallback(log, device, tc.log_every, show))
         trainer.train()
     return model, log, trainer.state.num_input_tokens_seen
 

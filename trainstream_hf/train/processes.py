@@ -1,4 +1,4 @@
-"""Several processes for the sft recipe's plain loop: ``accelerate launch --num_processes N`` or ``torchrun``.
+"""Several processes for the sft recipe (either loop): ``accelerate launch --num_processes N`` or ``torchrun``.
 
 The launcher sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; each process trains a replica on GPU ``LOCAL_RANK``
 (the CPU with gloo where there is none) on its own share of every global step's batches, with the engine installed
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from trainstream_hf.train.config import ConfigError
 
 __all__ = ["Processes", "from_environment", "start", "finish", "device_for", "rank_batches", "mean", "total",
-           "gather", "host_memory"]
+           "gather", "host_memory", "trainable_checksum"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,7 @@ def require_single(procs: Processes, what: str) -> None:
     """Refuses a launch of several processes where ``what`` trains in one."""
     if procs.several:
         raise ConfigError(f"WORLD_SIZE={procs.world}: {what} trains in one process on one device; launch it with "
-                          "configs/accelerate/single_gpu.yaml (num_processes: 1), or use the sft recipe's plain loop "
-                          "(loop: plain) for several")
+                          "configs/accelerate/single_gpu.yaml (num_processes: 1), or use the sft recipe for several")
 
 
 def device_for(spec: str, procs: Processes) -> torch.device | None:
@@ -133,6 +132,13 @@ def gather(obj, procs: Processes) -> list:
     out = [None] * procs.world
     dist.all_gather_object(out, obj)
     return out
+
+
+def trainable_checksum(model: torch.nn.Module) -> float:
+    """The float64 sum of every trainable parameter: equal on every process when the replicas are (DDP keeps them
+    so), which the summary shows per process."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in model.parameters() if p.requires_grad))
 
 
 def host_memory() -> dict:
