@@ -61,6 +61,10 @@ TORCH_LIBRARY(trainstream, m) {
   // The weight-only quantized linear layer (csrc/autograd/dequant_linear.cpp): y = linear(x, dequantize_<fmt>(*packed,
   // x.dtype)), differentiable in x (dx = dy @ the weight decoded again in dy's dtype).
   m.def("dequant_linear(Tensor x, Tensor[] packed, str fmt) -> Tensor");
+  // The same layer with a LoRA adapter in one node: y = x W^T + scaling (x A^T) B^T, the adapter's product
+  // accumulated into the base GEMM's output (csrc/autograd/dequant_linear.cpp).
+  m.def("lora_dequant_linear(Tensor x, Tensor[] packed, str fmt, Tensor lora_a, Tensor lora_b, float scaling) "
+        "-> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

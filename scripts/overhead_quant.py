@@ -11,8 +11,10 @@ only allocates its output, and the CPU routed to the FP8 tensor-core path (``fp8
 * ``fp8 W8A8 (scaled_mm), 1 layer``: one layer, a fresh input per call (no activation reuse).
 * ``fp8 W8A8 (scaled_mm), q/k/v on one x``: three layers reading one input (per layer call).
 * ``fp8 weight-only (dequant)`` and ``nvfp4 weight-only (dequant)``: the weight-only path.
-* ``fp8 weight-only + LoRA r=8``: a PEFT LoRA layer over a QuantLinear (fp32 adapters, bf16 autocast, as the recipes train),
-  through PEFT's own forward and through the native ``ops.lora_add`` path (trainstream_hf/quant/lora.py).
+* ``fp8 weight-only + LoRA r=8``: a PEFT LoRA layer over a QuantLinear (fp32 adapters, bf16 autocast, as the recipes
+  train),
+  through PEFT's own forward and through the native path (``ops.lora_dequant_linear``: base and adapter in one
+  node; trainstream_hf/quant/lora.py).
 
 Prints CPU microseconds (``time.thread_time``, so that other jobs on a shared machine count less) per layer call
 (forward + backward), min and median over ``--repeats`` runs of ``--calls`` calls. To compare with another version
@@ -38,7 +40,7 @@ def _fake_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dt
 
 
 class _PeftPath(nn.Module):
-    """A QuantLoraLinear that always takes PEFT's own forward (the native lora_add path switched off)."""
+    """A QuantLoraLinear that always takes PEFT's own forward (the native paths switched off)."""
 
     def __init__(self, layer):
         super().__init__()
@@ -117,7 +119,8 @@ def main(argv=None) -> None:
             ("fp8 W8A8 (scaled_mm), q/k/v on one x", "fp8", 3, True),
             ("fp8 weight-only (dequant)", "fp8_wo", 1, False), ("nvfp4 weight-only (dequant)", "nvfp4", 1, False),
             ("fp8 weight-only + LoRA r=8, PEFT's forward (fp32 adapters, autocast bf16)", "lora_peft", 1, False),
-            ("fp8 weight-only + LoRA r=8, native lora_add (fp32 adapters, autocast bf16)", "lora_native", 1, False)]
+            ("fp8 weight-only + LoRA r=8, native (base and adapter in one node; fp32 adapters, autocast bf16)",
+             "lora_native", 1, False)]
     if a.profile:
         import cProfile
         import pstats

@@ -203,5 +203,5 @@ def test_fp8_gemm_rowwise_is_cuda_only_and_traceable():
     out = ops.fp8_gemm_rowwise(a, b, torch.empty(6, device="meta"), torch.empty(48, device="meta"), torch.float16)
     assert out.shape == (6, 48) and out.dtype == torch.float16
     with pytest.raises(NotImplementedError, match="CPU"):
-        ops.fp8_gemm_rowwise(torch.zeros(6, 32, dtype=torch.float8_e4m3fn), torch.zeros(48, 32, dtype=torch.float8_e4m3fn),
-                             torch.ones(6), torch.ones(48))
+        ops.fp8_gemm_rowwise(torch.zeros(6, 32, dtype=torch.float8_e4m3fn),
+                             torch.zeros(48, 32, dtype=torch.float8_e4m3fn), torch.ones(6), torch.ones(48))

@@ -677,6 +677,29 @@ def _lora_add_fake(result, x, lora_a, lora_b, scaling):
     return torch.empty_like(result)
 
 
+def lora_dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str, lora_a: torch.Tensor,
+                        lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A weight-only quantized layer and its LoRA adapter in one autograd node (C++): ``y = x W^T + scaling (x A^T)
+    B^T`` with ``W = dequantize_<fmt>(*packed)`` in the compute dtype (autocast's under autocast, else ``x``'s, which
+    must then be the adapters'). The adapter's product is accumulated into the base GEMM's output (a GEMM with beta =
+    1), and in the backward its input gradient into the base's: no separate multiply or add over (T, N) / (T, K)
+    tensors, and one rounding fewer than PEFT's graph (so not its bits). Gradients for ``x``, ``lora_a``,
+    ``lora_b``; the packed weight is saved with ``save_for_backward`` and decoded again in the backward.
+
+    Args:
+        x: (..., K); packed: the weight's packed tensors; fmt: ``"int8"``, ``"nf4"``, ``"fp8"`` or ``"nvfp4"``.
+        lora_a: (r, K); lora_b: (N, r); scaling: PEFT's ``lora_alpha / r`` (or rsLoRA's).
+    """
+    return torch.ops.trainstream.lora_dequant_linear.default(x, packed, fmt, lora_a, lora_b, scaling)
+
+
+@torch.library.register_fake("trainstream::lora_dequant_linear")
+def _lora_dequant_linear_fake(x, packed, fmt, lora_a, lora_b, scaling):
+    torch._check(x.dim() >= 1 and x.shape[-1] == lora_a.shape[1], lambda: "lora_dequant_linear: x must be (..., K)")
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return x.new_empty((*x.shape[:-1], lora_b.shape[0]), dtype=dtype)
+
+
 def dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str) -> torch.Tensor:
     """``F.linear(x, dequantize_<fmt>(*packed, x.dtype))``, differentiable in ``x`` with its autograd node in C++: the
     backward decodes the weight again in the gradient's dtype, ``dx = dy @ W``, without Python or the GIL. ``packed``

@@ -9,6 +9,7 @@
 // Why C++: the Python autograd Function cost the 8B nf4 block step more host time than its kernels took on the H200
 // (benchmarks/NOTES.md, sessions 7-8); here the backward runs without Python and the GIL, as fp8_linear.cpp's does.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -98,13 +99,135 @@ at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c
   return DequantLinearFunction::apply(x, packed, fmt);
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The weight-only layer with a LoRA adapter in the same node (trainstream_hf/quant/lora.py):
+//
+//   lora_dequant_linear(x, packed, fmt, lora_a, lora_b, scaling) -> y = x W^T + scaling (x A^T) B^T
+//
+// with W = dequantize_<fmt>(*packed) in the compute dtype c (the autocast dtype under autocast, else x's, which must
+// then be the adapters'), and the adapter's product accumulated into the base GEMM's output by a second GEMM with
+// beta = 1 (addmm): no separate multiply and add over the (T, N) output in the forward, nor add of the two (T, K)
+// input gradients in the backward (dx = dy W, then += (dy B s) A). One rounding fewer than PEFT's graph (which
+// rounds the adapter's product, then the sum): not PEFT's bits, closer to the exact sum.
+// ---------------------------------------------------------------------------------------------------------------
+
+at::ScalarType lora_compute_dtype(const at::Tensor& x) {
+  const auto device = x.device().type();
+  return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
+}
+
+void check_lora(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, at::ScalarType c) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(1), "lora_dequant_linear: x must be (..., ", w.size(1),
+                    "), got ", x.sizes());
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(1) == w.size(1) && b.size(0) == w.size(0) &&
+                        b.size(1) == a.size(0),
+                    "lora_dequant_linear: lora_a must be (r, ", w.size(1), ") and lora_b (", w.size(0),
+                    ", r), got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type() && at::isFloatingType(a.scalar_type()),
+                   "lora_dequant_linear: the adapters must be floating point, of one dtype; got ", a.scalar_type(),
+                   " and ", b.scalar_type());
+  TORCH_CHECK_TYPE(at::autocast::is_autocast_enabled(x.device().type()) || a.scalar_type() == c,
+                   "lora_dequant_linear: outside autocast x and the adapters must share a dtype, got ", c, " and ",
+                   a.scalar_type(), " (ops.lora_add takes that case)");
+}
+
+struct LoraForward {
+  at::Tensor y, x2d, ya, a, b;
+};
+
+LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const std::string& fmt,
+                              const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling) {
+  const int64_t count = decoder(fmt).packed;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(packed.size()) == count, "lora_dequant_linear: ", fmt, " takes ", count,
+                    " packed tensors, got ", packed.size());
+  const at::ScalarType c = lora_compute_dtype(x);
+  const at::Tensor w = decode(fmt, packed.vec(), c);
+  check_lora(x, w, lora_a, lora_b, c);
+  LoraForward f;
+  f.x2d = (x.scalar_type() == c ? x : x.to(c)).reshape({-1, w.size(1)});
+  f.a = lora_a.scalar_type() == c ? lora_a : lora_a.to(c);
+  f.b = lora_b.scalar_type() == c ? lora_b : lora_b.to(c);
+  f.ya = at::mm(f.x2d, f.a.t());
+  at::Tensor y2d = at::mm(f.x2d, w.t());
+  y2d.addmm_(f.ya, f.b.t(), /*beta=*/1, /*alpha=*/scaling);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  f.y = y2d.view(sizes);
+  return f;
+}
+
+class LoraDequantLinearFunction : public torch::autograd::Function<LoraDequantLinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList packed,
+                            c10::string_view fmt, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                            double scaling) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    LoraForward f = lora_forward_impl(x, packed, std::string(fmt), lora_a, lora_b, scaling);
+    std::vector<at::Tensor> saved = packed.vec();
+    saved.insert(saved.end(), {f.x2d, f.ya, f.a, f.b});
+    ctx->save_for_backward(saved);
+    ctx->saved_data["fmt"] = std::string(fmt);
+    ctx->saved_data["scaling"] = scaling;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(x.scalar_type()),
+                                                     static_cast<int64_t>(lora_a.scalar_type())};
+    return f.y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();  // read once (a second read fails under checkpointing)
+    const size_t n_packed = saved.size() - 4;
+    const std::vector<at::Tensor> packed(saved.begin(), saved.begin() + n_packed);
+    const at::Tensor &x2d = saved[n_packed], &ya = saved[n_packed + 1], &a = saved[n_packed + 2],
+                     &b = saved[n_packed + 3];
+    const double scaling = ctx->saved_data["scaling"].toDouble();
+    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    // one gradient per forward input: x, each packed tensor, fmt, lora_a, lora_b, scaling
+    torch::autograd::variable_list out(n_packed + 5);
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return out;
+    // positions in the returned list (every forward argument, fmt included) and in needs_input_grad (tensors only)
+    const size_t ia = n_packed + 2, ib = n_packed + 3, ea = n_packed + 1, eb = n_packed + 2;
+    const at::ScalarType c = x2d.scalar_type();
+    const at::Tensor g2d = (g.scalar_type() == c ? g : g.to(c)).reshape({-1, b.size(0)});
+    const at::Tensor g_ya = at::mm(g2d, b).mul_(scaling);  // (T, r)
+    if (ctx->needs_input_grad(eb)) {
+      out[ib] = at::mm(g2d.t(), ya).mul_(scaling).to(static_cast<at::ScalarType>(dtypes[1]));
+    }
+    if (ctx->needs_input_grad(ea)) out[ia] = at::mm(g_ya.t(), x2d).to(static_cast<at::ScalarType>(dtypes[1]));
+    if (ctx->needs_input_grad(0)) {
+      const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), packed, c);
+      at::Tensor dx = at::mm(g2d, w);
+      dx.addmm_(g_ya, a);
+      out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector()).to(static_cast<at::ScalarType>(dtypes[0]));
+    }
+    return out;
+  }
+};
+
+at::Tensor lora_dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c10::string_view fmt,
+                                        const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling) {
+  return LoraDequantLinearFunction::apply(x, packed, fmt, lora_a, lora_b, scaling);
+}
+
 }  // namespace
+}  // namespace trainstream
+
+namespace trainstream {
+at::Tensor lora_dequant_linear_forward(const at::Tensor& x, at::TensorList packed, c10::string_view fmt,
+                                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scaling) {
+  return lora_forward_impl(x, packed, std::string(fmt), lora_a, lora_b, scaling).y;
+}
 }  // namespace trainstream
 
 TORCH_LIBRARY_IMPL(trainstream, CompositeExplicitAutograd, m) {
   m.impl("dequant_linear", &trainstream::dequant_linear_forward);
+  m.impl("lora_dequant_linear", &trainstream::lora_dequant_linear_forward);
 }
 
 TORCH_LIBRARY_IMPL(trainstream, Autograd, m) {
   m.impl("dequant_linear", &trainstream::dequant_linear_autograd);
+  m.impl("lora_dequant_linear", &trainstream::lora_dequant_linear_autograd);
 }

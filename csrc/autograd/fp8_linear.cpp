@@ -230,7 +230,8 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     at::Tensor dx;
     if (ctx->needs_input_grad(0) && grads[0].defined()) {
       const at::Tensor& w = saved[0];
-      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1]).view(ctx->saved_data["sizes"].toIntVector());
+      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1])
+               .view(ctx->saved_data["sizes"].toIntVector());
     }
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -148,7 +148,9 @@ class LoraAddFunction : public torch::autograd::Function<LoraAddFunction> {
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
       const at::Tensor g_ya = at::mm(g_yb, b);
       if (ctx->needs_input_grad(2)) out[2] = as(at::mm(g_ya.t(), as(x2d, c)), adapter_dtype);
-      if (ctx->needs_input_grad(1)) out[1] = as(at::mm(g_ya, a), x_dtype).view(ctx->saved_data["x_sizes"].toIntVector());
+      if (ctx->needs_input_grad(1)) {
+        out[1] = as(at::mm(g_ya, a), x_dtype).view(ctx->saved_data["x_sizes"].toIntVector());
+      }
     }
     return out;
   }

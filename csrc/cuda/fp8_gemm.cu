@@ -1,6 +1,7 @@
 // Row-wise scaled FP8 GEMM on cuBLASLt with its algorithm chosen once per shape (host code only).
 //
-//   fp8_gemm_rowwise(a, b, scale_a, scale_b, out_dtype) -> out (M, N) = (a (M, K) b (N, K)^T) * scale_a (M) x scale_b (N)
+//   fp8_gemm_rowwise(a, b, scale_a, scale_b, out_dtype)
+//       -> out (M, N) = (a (M, K) b (N, K)^T) * scale_a (M) x scale_b (N)
 //
 // the product torch._scaled_mm(a, b.t(), scale_a (M, 1), scale_b (1, N), out_dtype) computes for row-wise scales,
 // through the same library: cuBLASLt with outer-vector scaling (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, cuBLAS

@@ -225,6 +225,7 @@ def run(name: str, rank: int, world: int) -> dict:
     info["stats"] = {k: v for k, v in model.trainstream_stats().items()
                      if k in ("h2d_bytes", "d2h_bytes", "host_shared_bytes")}
     info["mapping"] = _shared_mapping(shared.name if shared is not None else None)
+    torch.distributed.barrier()  # both measured before either unmaps (else one sees the pages as its own alone)
     del shared
     ts.unwrap(model)
     info["ddp_ignore_after_unwrap"] = hasattr(model, "_ddp_params_and_buffers_to_ignore")

@@ -1,5 +1,6 @@
-"""The native LoRA path (ops.lora_add) on the GPU: PEFT's numbers bit for bit, as on the CPU
-(tests/quant/test_lora.py), with cuBLAS in deterministic mode (scripts/gpu_check.sh sets CUBLAS_WORKSPACE_CONFIG)."""
+"""The native LoRA paths on the GPU, as on the CPU (tests/quant/test_lora.py), cuBLAS in deterministic mode
+(scripts/gpu_check.sh sets CUBLAS_WORKSPACE_CONFIG): ops.lora_add gives PEFT's numbers bit for bit; the fused
+ops.lora_dequant_linear (one rounding fewer) stays within bf16 rounding of PEFT and no further from float64."""
 import pytest
 import torch
 
@@ -10,12 +11,10 @@ from trainstream_hf.quant import QuantLinear  # noqa: E402
 from trainstream_hf.quant.lora import QuantLoraLinear, register_quant_lora  # noqa: E402
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
-@pytest.mark.parametrize("autocast", [True, False])
-@pytest.mark.parametrize("alpha", [32, 24])  # scaling 2 (folded into B) and 1.5 (multiplied as PEFT does)
-def test_native_lora_gives_peft_numbers_bit_for_bit_cuda(fmt, autocast, alpha):
+def _layer(fmt, alpha, bias):
     torch.manual_seed(0)
-    base = QuantLinear.from_linear(torch.nn.Linear(256, 192, bias=False), fmt).to("cuda", torch.bfloat16)
+    base = QuantLinear.from_linear(torch.nn.Linear(256, 192, bias=bias), fmt, act_quant=False)
+    base = base.to("cuda", torch.bfloat16)
     model = get_peft_model(torch.nn.Sequential(base), register_quant_lora(
         LoraConfig(r=16, lora_alpha=alpha, target_modules=["0"])))
     layer = model.base_model.model[0]
@@ -23,16 +22,48 @@ def test_native_lora_gives_peft_numbers_bit_for_bit_cuda(fmt, autocast, alpha):
         layer.lora_A["default"].weight.normal_()
         layer.lora_B["default"].weight.normal_(std=0.1)
     assert layer.lora_A["default"].weight.dtype == torch.float32  # PEFT's autocast_adapter_dtype upcast
-    x0 = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(2, 64, 192, device="cuda", dtype=torch.bfloat16)
-    runs = []
+    return layer
+
+
+def _both(layer, autocast):
+    x0 = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
+    dy = torch.randn(2, 64, 192, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(2))
+    runs, names = [], []
     for native in (True, False):
         x = x0.clone().requires_grad_()
         forward = layer.forward if native else (lambda t: super(QuantLoraLinear, layer).forward(t))
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             y = forward(x)
-        assert ("LoraAddFunction" in y.grad_fn.name()) == native
+        names.append(y.grad_fn.name())
         runs.append((y, *torch.autograd.grad(y, (x, layer.lora_A["default"].weight,
                                                  layer.lora_B["default"].weight), dy)))
-    for got, want, what in zip(*runs, ("y", "dx", "dA", "dB")):
+    return runs, names, x0
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+@pytest.mark.parametrize("autocast", [True, False])
+@pytest.mark.parametrize("alpha", [32, 24])  # scaling 2 (folded into B) and 1.5 (multiplied as PEFT does)
+def test_lora_add_gives_peft_numbers_bit_for_bit_cuda(fmt, autocast, alpha):
+    layer = _layer(fmt, alpha, bias=True)  # a bias: the adapter is added apart from the base (lora_add)
+    (native, peft_), (node, peft_node), _ = _both(layer, autocast)
+    assert "LoraAddFunction" in node and "LoraAddFunction" not in peft_node
+    for got, want, what in zip(native, peft_, ("y", "dx", "dA", "dB")):
         assert got.dtype == want.dtype and torch.equal(got, want), what
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_fused_lora_cuda_close_to_peft_and_to_float64(fmt):
+    layer = _layer(fmt, 32, bias=False)
+    (fused, peft_), (node, _), x0 = _both(layer, autocast=True)
+    assert "LoraDequantLinearFunction" in node
+    for got, want, what in zip(fused, peft_, ("y", "dx", "dA", "dB")):
+        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert err < 2 ** -6, (what, err)
+    a = layer.lora_A["default"].weight.detach().to(torch.bfloat16).double()
+    b = layer.lora_B["default"].weight.detach().to(torch.bfloat16).double()
+    w = layer.base_layer.dequantize_weight().to(torch.bfloat16).double()
+    xd = x0.double().reshape(-1, 256)
+    exact = xd @ w.t() + 2.0 * (xd @ a.t()) @ b.t()
+    e_fused = float((fused[0].double().reshape(-1, 192) - exact).abs().mean())
+    e_peft = float((peft_[0].double().reshape(-1, 192) - exact).abs().mean())
+    assert e_fused <= e_peft * 1.02, (e_fused, e_peft)

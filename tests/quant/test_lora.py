@@ -158,7 +158,7 @@ def test_native_lora_gives_peft_numbers_bit_for_bit(x_dtype, adapter_dtype, auto
     dy = torch.randn(2, 5, 48).to(out_dtype)
     native, node = _run(layer, x, dy, native=True, autocast=autocast)
     peft_, peft_node = _run(layer, x, dy, native=False, autocast=autocast)
-    assert "LoraAddFunction" in node and "LoraAddFunction" not in peft_node  # one node here; PEFT's graph ends in its own ops
+    assert "LoraAddFunction" in node and "LoraAddFunction" not in peft_node  # one node here; PEFT: its own ops
     assert native[0].dtype == peft_[0].dtype == out_dtype
     for got, want, what in zip(native, peft_, ("y", "dx", "dA", "dB")):
         assert got.dtype == want.dtype and torch.equal(got, want), what
@@ -221,3 +221,91 @@ def ops_lora_add(layer, x):
     from trainstream_hf import ops
     return ops.lora_add(layer.base_layer(x), x, layer.lora_A["default"].weight, layer.lora_B["default"].weight,
                         layer.scaling["default"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused path (ops.lora_dequant_linear): weight-only base and adapter in one node, sums inside the GEMMs
+# ---------------------------------------------------------------------------------------------------------------
+
+def _fused_layer(fmt="nf4", alpha=16, seed=0):
+    torch.manual_seed(seed)
+    base = QuantLinear.from_linear(torch.nn.Linear(128, 64, bias=False), fmt, act_quant=False)
+    model = get_peft_model(torch.nn.Sequential(base), register_quant_lora(
+        LoraConfig(r=8, lora_alpha=alpha, target_modules=["0"])))
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_A["default"].weight.normal_()
+        layer.lora_B["default"].weight.normal_(std=0.1)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "nvfp4"])
+@pytest.mark.parametrize("alpha", [16, 12])
+def test_fused_lora_matches_peft_in_fp32(fmt, alpha):
+    """fp32 throughout (the issue's check: 1e-5 of PEFT): the same maths as PEFT's graph, summed in the GEMMs."""
+    layer = _fused_layer(fmt, alpha)
+    x = torch.randn(2, 5, 128)
+    dy = torch.randn(2, 5, 64)
+    fused, node = _run(layer, x, dy, native=True, autocast=False)
+    peft_, _ = _run(layer, x, dy, native=False, autocast=False)
+    assert "LoraDequantLinearFunction" in node
+    for got, want, what in zip(fused, peft_, ("y", "dx", "dA", "dB")):
+        assert got.dtype == want.dtype == torch.float32
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-6, (what, err)
+
+
+def test_fused_lora_under_autocast_is_as_close_to_exact_as_peft():
+    """bf16 autocast, fp32 adapters (the recipes): one rounding fewer than PEFT's graph, so not its bits, but no
+    further from the float64 result than PEFT is (and within bf16 rounding of PEFT)."""
+    layer = _fused_layer()
+    layer.base_layer.to(torch.bfloat16)
+    torch.manual_seed(3)
+    x = torch.randn(4, 16, 128).to(torch.bfloat16)
+    dy = torch.randn(4, 16, 64).to(torch.bfloat16)
+    fused, node = _run(layer, x, dy, native=True, autocast=True)
+    peft_, _ = _run(layer, x, dy, native=False, autocast=True)
+    assert "LoraDequantLinearFunction" in node and fused[0].dtype == peft_[0].dtype == torch.bfloat16
+    # float64 reference on the bf16-rounded operands both paths multiply
+    a = layer.lora_A["default"].weight.detach().to(torch.bfloat16).double()
+    b = layer.lora_B["default"].weight.detach().to(torch.bfloat16).double()
+    w = layer.base_layer.dequantize_weight().to(torch.bfloat16).double()
+    xd, s = x.double().reshape(-1, 128), layer.scaling["default"]
+    y_exact = xd @ w.t() + s * (xd @ a.t()) @ b.t()
+    for got, want in ((fused[0], peft_[0]),):
+        e_fused = float((got.double().reshape(-1, 64) - y_exact).abs().mean())
+        e_peft = float((want.double().reshape(-1, 64) - y_exact).abs().mean())
+        assert e_fused <= e_peft * 1.02, (e_fused, e_peft)
+    for got, want, what in zip(fused, peft_, ("y", "dx", "dA", "dB")):
+        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert err < 2 ** -6, (what, err)
+
+
+def test_fused_lora_is_taken_only_where_it_applies():
+    """A bias, an activation-quantized base (fp8 W8A8), or bf16 x with fp32 adapters outside autocast: the base and
+    the adapter run apart (lora_add, PEFT's bits)."""
+    x = torch.randn(3, 128)
+    assert "LoraDequantLinearFunction" in _fused_layer()(x).grad_fn.name()
+    with_bias = _one_layer()  # bias=True
+    assert "LoraAddFunction" in with_bias(torch.randn(3, 64)).grad_fn.name()
+    w8a8 = _fused_layer(fmt="fp8")
+    w8a8.base_layer.act_quant = True
+    assert w8a8.base_layer.fused_lora_operands(x, w8a8.lora_A["default"].weight) is None
+    mixed = _fused_layer()
+    mixed.base_layer.to(torch.bfloat16)
+    assert "LoraAddFunction" in mixed(x.to(torch.bfloat16)).grad_fn.name()
+
+
+def test_fused_lora_bad_operands():
+    from trainstream_hf import ops
+    layer = _fused_layer()
+    packed, fmt = layer.base_layer.fused_lora_operands(torch.randn(2, 128), layer.lora_A["default"].weight)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 128\)"):
+        ops.lora_dequant_linear(torch.randn(2, 64), packed, fmt, a, b, 2.0)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        ops.lora_dequant_linear(torch.randn(2, 128), packed, fmt, a[:, :64], b, 2.0)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        ops.lora_dequant_linear(torch.randn(2, 128, dtype=torch.bfloat16), packed, fmt, a, b, 2.0)
+    with pytest.raises(ValueError, match="takes 4 packed tensors"):
+        ops.lora_dequant_linear(torch.randn(2, 128), packed[:2], fmt, a, b, 2.0)

@@ -247,6 +247,28 @@ class QuantLinear(nn.Module):
             y = y + bias.to(y.dtype)
         return y
 
+    def fused_lora_operands(self, x: torch.Tensor, lora_a: torch.Tensor) -> tuple[list[torch.Tensor], str] | None:
+        """``(packed, fmt)`` for :func:`trainstream_hf.ops.lora_dequant_linear` when this layer would run ``x``
+        through its native weight-only node (no bias, no activation quantization, a native decoder for the device)
+        and the adapter computes in the same dtype as the base (autocast on, or ``x`` in ``lora_a``'s dtype); else
+        None (the base and the adapter then run separately, with PEFT's numbers)."""
+        if self.bias is not None or not x.numel() or x.dtype not in ops.WEIGHT_DTYPES:
+            return None
+        device = x.device
+        if not torch.is_autocast_enabled(device.type) and x.dtype != lora_a.dtype:
+            return None
+        path = self._paths.get((device, self._act_quant))
+        if path is None:
+            path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
+        decoder = self.fmt.native[1]
+        if path is not matmul.DEQUANT or decoder is None or not ops.has_kernel(decoder, device):
+            return None
+        params = self._parameters
+        packed = [params[n] for n in self._packed_names]
+        if packed[0].device != device or x.shape[-1] != self.in_features:
+            return None  # the plain forward raises the clear error
+        return packed, self.fmt.name
+
     def _apply(self, fn, recurse=True):
         # nn.Module.to(dtype) / .half() / .float() reach every floating tensor through _apply (torch 2.13); the packed
         # float8 codes and float32 scales must keep their dtype and bits. Probe what fn does to a float tensor

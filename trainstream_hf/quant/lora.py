@@ -12,14 +12,23 @@ models" guide); :func:`register_quant_lora` registers :class:`QuantLoraLinear` f
     model = get_peft_model(model, config)
 
 :class:`QuantLoraLinear` is PEFT's own ``lora.Linear`` (``y = base(x) + B(A(dropout(x))) * scaling``) with what a
-packed base needs, and a native forward for the common case (one active vanilla adapter, dropout off, no hooks on
-the adapter modules): ``ops.lora_add`` computes the adapter's term and the sum as PEFT's forward does, bit for bit in
-the dtype regimes tested (tests/quant/test_lora.py, tests/gpu/test_lora_cuda.py), as one autograd node in C++ instead of PEFT's ~9 (a training step of
-a Llama-3-8B LoRA over all linear layers runs 224 adapters, and is host-bound on the H200); anything else takes
-PEFT's forward. In/out features are read from the layer (PEFT's generic lookup would warn "Unsupported layer type"),
-``fan_in_fan_out`` is forced off (a Conv1D quantized by ``quantize_model`` is in nn.Linear layout); LoRA variants
-(DoRA & co.) and initialisations that decompose the base weight (PiSSA, OLoRA, LoftQ, ...) need the dense weight and
-raise.
+packed base needs, and native forwards for the common case (one active vanilla adapter, dropout off, no hooks on the
+adapter modules; a Llama-3-8B LoRA over all linear layers runs 224 adapters per step, and PEFT's ~9 autograd nodes
+and ~14 ops per adapter made that step host-bound on the H200):
+
+* over a weight-only base without bias, where base and adapter compute in one dtype (bf16 autocast, the recipes'
+  case, or x in the adapters' dtype): ``ops.lora_dequant_linear``, base and adapter in one C++ node, the adapter's
+  product accumulated into the base GEMM's output and its input gradient into the base's (no separate multiply or add
+  over activation-sized tensors). One rounding fewer than PEFT's graph: within 1e-6 of it in fp32, and no further
+  from the float64 result under bf16 autocast (tests/quant/test_lora.py);
+* otherwise (a bias, an activation-quantized base, fp32 adapters on bf16 x outside autocast): ``ops.lora_add``, the
+  adapter's term as one C++ node with PEFT's numbers, bit for bit in the dtype regimes tested (tests/quant/test_lora.py,
+  tests/gpu/test_lora_cuda.py).
+
+Anything else takes PEFT's forward. In/out features are read from the layer (PEFT's generic lookup would warn
+"Unsupported layer type"), ``fan_in_fan_out`` is forced off (a Conv1D quantized by ``quantize_model`` is in nn.Linear
+layout); LoRA variants (DoRA & co.) and initialisations that decompose the base weight (PiSSA, OLoRA, LoftQ, ...) need
+the dense weight and raise.
 
 Merging: ``merge_and_unload()`` replaces each ``QuantLoraLinear`` by a plain ``nn.Linear`` holding the dequantized
 base weight plus the LoRA delta (``unload_and_optionally_merge_module``, the per-layer hook PEFT's unload loop calls),
@@ -76,8 +85,11 @@ class QuantLoraLinear(_LoraLinear):
         name = self._fast_adapter(args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
-        return ops.lora_add(self.base_layer(x), x, self.lora_A[name].weight, self.lora_B[name].weight,
-                            self.scaling[name])
+        a, b, scaling = self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+        fused = self.base_layer.fused_lora_operands(x, a)
+        if fused is not None:  # weight-only base: base and adapter in one node, the sums inside its GEMMs
+            return ops.lora_dequant_linear(x, *fused, a, b, scaling)
+        return ops.lora_add(self.base_layer(x), x, a, b, scaling)
 
     def _fast_adapter(self, args, kwargs) -> str | None:
         """The adapter :meth:`forward` may run natively, or None."""
