@@ -282,8 +282,8 @@ def test_fused_lora_under_autocast_is_as_close_to_exact_as_peft():
 
 
 def test_fused_lora_is_taken_only_where_it_applies():
-    """A bias, an activation-quantized base (fp8 W8A8), or bf16 x with fp32 adapters outside autocast: the base and
-    the adapter run apart (lora_add, PEFT's bits)."""
+    """A bias, an activation-quantized base (fp8 W8A8), bf16 x with fp32 adapters outside autocast, or a hook on the
+    base: the base and the adapter run apart (lora_add, PEFT's bits)."""
     x = torch.randn(3, 128)
     assert "LoraDequantLinearFunction" in _fused_layer()(x).grad_fn.name()
     with_bias = _one_layer()  # bias=True
@@ -294,6 +294,10 @@ def test_fused_lora_is_taken_only_where_it_applies():
     mixed = _fused_layer()
     mixed.base_layer.to(torch.bfloat16)
     assert "LoraAddFunction" in mixed(x.to(torch.bfloat16)).grad_fn.name()
+    hooked = _fused_layer()
+    seen = []
+    hooked.base_layer.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert "LoraAddFunction" in hooked(x).grad_fn.name() and seen == [(3, 64)]  # the base was called: its hook ran
 
 
 def test_fused_lora_bad_operands():

@@ -80,16 +80,18 @@ class QuantLoraLinear(_LoraLinear):
 
     def forward(self, x, *args, **kwargs):
         # The common case -- one active vanilla adapter, dropout off, not merged nor disabled, no per-call adapter
-        # names, no hooks on the adapter modules -- in one native op (ops.lora_add: PEFT's numbers, one autograd node
-        # instead of ~9); anything else is PEFT's own forward.
+        # names, no hooks on the adapter modules -- natively (module docstring): base and adapter in one node where
+        # the base allows, else the adapter's term in one node with PEFT's numbers; anything else is PEFT's forward.
         name = self._fast_adapter(args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
         a, b, scaling = self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
-        fused = self.base_layer.fused_lora_operands(x, a)
+        base = self.base_layer
+        operands = getattr(base, "fused_lora_operands", None)
+        fused = operands(x, a) if operands is not None and not _hooked(base) else None
         if fused is not None:  # weight-only base: base and adapter in one node, the sums inside its GEMMs
             return ops.lora_dequant_linear(x, *fused, a, b, scaling)
-        return ops.lora_add(self.base_layer(x), x, a, b, scaling)
+        return ops.lora_add(base(x), x, a, b, scaling)
 
     def _fast_adapter(self, args, kwargs) -> str | None:
         """The adapter :meth:`forward` may run natively, or None."""
@@ -167,7 +169,8 @@ class QuantLoraLinear(_LoraLinear):
 
 def _hooked(m: nn.Module) -> bool:
     """Whether calling m could run more than its forward: module hooks (forward, backward), global forward hooks, or
-    an Accelerate hook (``_hf_hook``: device placement, offload). The native path never calls the adapter modules."""
+    an Accelerate hook (``_hf_hook``: device placement, offload). The native paths never call the adapter modules,
+    and the fused one not the base either."""
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                 or _global_forward_hooks or _global_forward_pre_hooks or hasattr(m, "_hf_hook"))
 
