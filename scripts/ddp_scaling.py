@@ -1,7 +1,7 @@
 """Step time, throughput and host RAM of the sft recipe on 1 process against N (data parallel, one GPU each).
 
 python3 scripts/ddp_scaling.py [--config configs/llama3-8b-lora-nf4-24gib.yaml] [--processes 2] [--out DIR]
-                               [--cpu] [-- recipe overrides ...]
+                               [--name NAME] [--cpu] [-- recipe overrides ...]
 
 Runs ``accelerate launch`` twice on the same recipe config -- configs/accelerate/single_gpu.yaml, then
 configs/accelerate/two_gpus.yaml (N processes: ``--num_processes N``) -- with NCCL's NVLink multicast off (shared/GPU.md),
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "build/ddp-scaling"))
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--name", default=None, help="JSON name without .json (default ddp-scaling-<gpu>-<commit>)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.processes < 2:
         ap.error("--processes: at least 2 (the run it is compared with has 1)")
@@ -99,7 +100,7 @@ def main() -> None:
               "host_pss_ratio": many["host_pss_bytes"] / one["host_pss_bytes"]}
     env = environment()
     gpu = "cpu" if args.cpu or env["gpu"] is None else env["gpu"]["name"].lower().replace("nvidia", "").split()[0]
-    path = write_json(f"ddp-scaling-{gpu}-{env['commit'][:7]}", result, str(out),
+    path = write_json(args.name or f"ddp-scaling-{gpu}-{env['commit'][:7]}", result, str(out),
                       command=" ".join(["python3", "scripts/ddp_scaling.py", *argv]))
     print(json.dumps({k: result[k] for k in ("scaling_efficiency", "host_pss_ratio")}), "->", path)
 
