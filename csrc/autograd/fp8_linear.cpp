@@ -72,11 +72,12 @@ c10::TypedOperatorHandle<QuantizeFn>& quantize_op() {
   return op;
 }
 
-bool capturing(const at::Tensor& t) {
+// Whether the current stream of a device of this type is being captured into a CUDA graph.
+bool capturing(at::DeviceType type) {
 #ifdef TRAINSTREAM_WITH_CUDA
-  if (t.is_cuda()) return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  if (type == at::kCUDA) return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 #endif
-  (void)t;
+  (void)type;
   return false;
 }
 
@@ -118,7 +119,7 @@ bool same(const KeptActivation& k, const at::Tensor& x, c10::StreamId stream) {
 // quantize_rows_e4m3(x2d), or the kept result for this very x (x2d = x.reshape(-1, K)).
 std::tuple<at::Tensor, at::Tensor> quantized_activation(const at::Tensor& x, const at::Tensor& x2d, bool reuse) {
   auto& cache = activation_cache();
-  const bool keep = reuse && !x.is_inference() && !capturing(x);
+  const bool keep = reuse && !x.is_inference() && !capturing(x.device().type());
   if (!keep) {
     if (reuse) {  // asked for, but not allowed here: a quantization made where one could have been reused
       std::lock_guard<std::mutex> lock(cache.mu);
@@ -148,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor> quantized_activation(const at::Tensor& x, con
 at::Tensor unit_scales(int64_t k, const at::TensorOptions& options) {
   static auto* mu = new std::mutex();
   static auto* kept = new std::unordered_map<std::string, at::Tensor>();
-  if (capturing(at::empty({0}, options))) return at::ones({1, k}, options);
+  if (capturing(options.device().type())) return at::ones({1, k}, options);
   const std::string key = options.device().str() + "/" + std::to_string(k);
   std::lock_guard<std::mutex> lock(*mu);
   auto it = kept->find(key);
