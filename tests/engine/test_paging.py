@@ -473,3 +473,53 @@ def test_failed_construction_gives_the_paged_blocks_back():
     del filler
     for p, q in zip(before, model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_saved_tensor_hooks_only_where_a_listener_packs():
+    """Block hooks push saved-tensor hooks around a block only while a listener takes saved tensors (paging,
+    offload); with listeners that only hear forward / backward they push nothing (a Python call per saved tensor
+    for nothing), and the block saves as plain torch does."""
+    from trainstream_hf.engine.hooks import BlockListener, _top_hooks
+
+    class Hear(BlockListener):
+        def forward_start(self, i):
+            seen.append(_top_hooks())
+
+    class Take(Hear):
+        def pack(self, i, tensor):
+            return None  # declines every tensor, but asks to see them
+
+    blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+    hooks = BlockHooks(blocks)
+    seen = []
+
+    def forward():
+        x = torch.randn(3, 8, requires_grad=True)
+        for b in blocks:
+            x = b(x)
+        return x
+
+    try:
+        hooks.add(Hear())
+        y = forward()
+        inner = []
+        h = blocks[1].register_forward_pre_hook(lambda m, a: inner.append(_top_hooks()))  # runs after ours
+        forward().sum().backward()
+        h.remove()
+        assert inner == [None] and len(seen) == 4  # nothing pushed around block 1; the listener heard both blocks
+        y.sum().backward()
+        take = Take()
+        hooks.add(take)
+        inner = []
+        h = blocks[1].register_forward_pre_hook(lambda m, a: inner.append(_top_hooks()))  # runs after ours
+        forward().sum().backward()
+        h.remove()
+        assert inner and inner[0] is not None  # pushed while a listener packs
+        hooks.discard(take)
+        inner = []
+        h = blocks[1].register_forward_pre_hook(lambda m, a: inner.append(_top_hooks()))
+        forward().sum().backward()
+        h.remove()
+        assert inner == [None]
+    finally:
+        hooks.remove()
