@@ -606,7 +606,7 @@ def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, sc
     Args:
         a: (M, K) float8_e4m3fn; b: (N, K) float8_e4m3fn (row-major, as a linear layer's weight).
         scale_a: float32, M values; scale_b: float32, N values.
-        out_dtype: bfloat16, float16 or float32.
+        out_dtype: bfloat16 or float16.
     """
     return torch.ops.trainstream.fp8_gemm_rowwise.default(a, b, scale_a, scale_b, out_dtype)
 

@@ -40,10 +40,10 @@ namespace {
 
 cudaDataType_t cuda_dtype(at::ScalarType t) {
   switch (t) {
+    // float32 output would need C in another type than D (cuBLASLt's FP8 rules); the FP8 layer never asks for it
     case at::kBFloat16: return CUDA_R_16BF;
     case at::kHalf: return CUDA_R_16F;
-    case at::kFloat: return CUDA_R_32F;
-    default: TORCH_CHECK_TYPE(false, "fp8_gemm_rowwise: out_dtype must be bfloat16, float16 or float32, got ", t);
+    default: TORCH_CHECK_TYPE(false, "fp8_gemm_rowwise: out_dtype must be bfloat16 or float16, got ", t);
   }
 }
 
