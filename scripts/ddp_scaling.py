@@ -4,7 +4,8 @@ python3 scripts/ddp_scaling.py [--config configs/llama3-8b-lora-nf4-24gib.yaml] 
                                [--name NAME] [--cpu] [-- recipe overrides ...]
 
 Runs ``accelerate launch`` twice on the same recipe config -- configs/accelerate/single_gpu.yaml, then
-configs/accelerate/two_gpus.yaml (N processes: ``--num_processes N``) -- with NCCL's NVLink multicast off (shared/GPU.md),
+configs/accelerate/two_gpus.yaml (N processes: ``--num_processes N``) -- with NCCL's NVLink multicast off
+(shared/GPU.md),
 reads both summaries and writes ``<out>/ddp-scaling-<gpu>-<commit>.json``: per run the median step seconds of each
 process, tokens per second together, host memory (each process's PSS, which counts a page shared between processes
 once in all, and the bytes of the frozen base the processes share through ``peer``), and the scaling efficiency

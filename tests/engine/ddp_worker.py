@@ -202,7 +202,8 @@ def run(name: str, rank: int, world: int) -> dict:
                                                    "pinned_bytes": peer.pinned_shared_bytes()},
             "warnings": [str(w.message) for w in caught if "peer" in str(w.message)]}
     frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
-    info["ddp_ignores_the_frozen"] = bool(frozen) and getattr(model, "_ddp_params_and_buffers_to_ignore", None) == frozen
+    ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
+    info["ddp_ignores_the_frozen"] = bool(frozen) and ignored == frozen
     ddp = DDP(model, **ddp_options)
     losses = []
     for s in range(STEPS):

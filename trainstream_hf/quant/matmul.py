@@ -140,11 +140,11 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
 #
 # Writes that bypass the version counter are not seen, as autograd does not see them either: through ``x.data``
 # (its own counter), from outside torch (a NumPy view, a raw pointer), or a CUDA graph replay rewriting its static
-# outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse. Nothing is kept or
-# reused while a CUDA graph is being captured (an entry made outside the graph would be read by it but owned by this
-# cache). Inference-mode tensors (no version counter), tensor
-# subclasses and ``torch.compile`` tracing are quantized afresh every time. The cost: one quantized activation
-# (T x K bytes + T floats) stays alive until its tensor dies or another one replaces it.
+# outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse. Nothing is
+# kept or reused while a CUDA graph is being captured (an entry made outside the graph would be read by it but owned
+# by this cache). Inference-mode tensors (no version counter), tensor subclasses and ``torch.compile`` tracing are
+# quantized afresh every time. The cost: one quantized activation (T x K bytes + T floats) stays alive until its
+# tensor dies or another one replaces it.
 #
 # The reused result is the same bits as a fresh one (the quantizer is deterministic), so reuse changes no numerics.
 #
