@@ -58,6 +58,12 @@ TORCH_LIBRARY(trainstream, m) {
   // A LoRA adapter's contribution, result + (x A^T) B^T * scaling, with PEFT's dtypes, as one autograd node
   // (csrc/autograd/lora_add.cpp).
   m.def("lora_add(Tensor result, Tensor x, Tensor lora_a, Tensor lora_b, float scaling) -> Tensor");
+  // RMSNorm of the Llama family, fused (csrc/autograd/rms_norm.cpp; kernels in csrc/cpu/norm.cpp, csrc/cuda/norm.cu):
+  // y = weight * to_x_dtype(x * rsqrt(mean(x^2) + eps)), differentiable in x and weight; the kernels below it take
+  // x (rows, features) contiguous and the weight in x's dtype.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)");
+  m.def("rms_norm_bwd(Tensor gy, Tensor x, Tensor weight, Tensor rstd) -> Tensor");
   // The weight-only quantized linear layer (csrc/autograd/dequant_linear.cpp): y = linear(x, dequantize_<fmt>(*packed,
   // x.dtype)), differentiable in x (dx = dy @ the weight decoded again in dy's dtype).
   m.def("dequant_linear(Tensor x, Tensor[] packed, str fmt) -> Tensor");

@@ -128,6 +128,10 @@ class TrainStreamConfig:
         "help": "Compute a causal LM's loss (transformers' ForCausalLMLoss) in row chunks: the same bits, without "
                 "the fp32 log-probabilities of every token over the vocabulary (3 GiB for an 8B Llama at 2048 "
                 "tokens). Models with another loss function are left alone."})
+    fused_norms: bool = field(default=False, metadata={
+        "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "
+                "way instead of eight ops: the same maths, not the same bits (the row sum is reduced in another "
+                "order), so off by default (trainstream_hf/engine/norms.py)."})
     elide_casts: str | bool = field(default="auto", metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "
@@ -160,6 +164,8 @@ class TrainStreamConfig:
                      "data_parallel", "expandable_segments", "elide_casts"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.fused_norms, bool):
+            raise ValueError(f"fused_norms: True or False, got {self.fused_norms!r}")
         if self.grads not in ("auto", "device", "host"):
             raise ValueError(f"grads: 'auto', 'device' or 'host', got {self.grads!r}")
         if not isinstance(self.slots, int) or self.slots < 1:

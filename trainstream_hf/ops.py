@@ -700,6 +700,38 @@ def _lora_dequant_linear_fake(x, packed, fmt, lora_a, lora_b, scaling):
     return x.new_empty((*x.shape[:-1], lora_b.shape[0]), dtype=dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# rms_norm (Llama-family RMSNorm, fused; trainstream_hf/engine/norms.py)
+# --------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)`` (transformers'
+    LlamaRMSNorm) in one kernel each way, differentiable in ``x`` and ``weight`` (its autograd node in C++). Same
+    maths and rounding points as the module; the row sums are reduced in another order, so results may differ from
+    it in the last bit.
+
+    Args:
+        x: (..., K) float32 / bfloat16 / float16; weight: (K,) of x's dtype; eps: the module's ``variance_epsilon``.
+    """
+    return torch.ops.trainstream.rms_norm.default(x, weight, eps)
+
+
+@torch.library.register_fake("trainstream::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    torch._check(x.shape[-1] == weight.shape[0], lambda: "rms_norm: x must be (..., K)")
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("trainstream::rms_norm_fwd")
+def _rms_norm_fwd_fake(x, weight, eps):
+    return torch.empty_like(x), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.register_fake("trainstream::rms_norm_bwd")
+def _rms_norm_bwd_fake(gy, x, weight, rstd):
+    return torch.empty_like(x)
+
+
 def dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str) -> torch.Tensor:
     """``F.linear(x, dequantize_<fmt>(*packed, x.dtype))``, differentiable in ``x`` with its autograd node in C++: the
     backward decodes the weight again in the gradient's dtype, ``dx = dy @ W``, without Python or the GIL. ``packed``

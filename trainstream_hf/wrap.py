@@ -22,6 +22,7 @@ from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.allocator import enable_expandable_segments, wants_expandable_segments
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.casts import CastSources
+from trainstream_hf.engine.norms import FusedNorms
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import chunked_causal_lm_loss
 from trainstream_hf.engine.blocks import find_blocks
@@ -211,6 +212,8 @@ class Engine:
             self.offloader.close()
         if getattr(self, "casts", None) is not None:
             self.casts.uninstall()
+        if getattr(self, "norms", None) is not None:
+            self.norms.uninstall()
         _remove_chunked_loss(getattr(self, "loss_owner", None))
         for h in getattr(self, "_overlap_handles", []):
             h.remove()
@@ -362,6 +365,15 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         if home != {device}:
             b.to(device)  # for the measurement only; the plan decides where it lives
     loss_owner = _install_chunked_loss(model) if config.chunked_loss else None
+    norms = None
+    if config.fused_norms:  # before the block is measured: the fused norm saves less
+        norms = FusedNorms()
+        try:
+            norms.install(model.modules())
+        except BaseException:
+            norms.uninstall()
+            _remove_chunked_loss(loss_owner)
+            raise
     casts = None
     if config.elide_casts:
         casts = CastSources()
@@ -422,6 +434,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     except BaseException:
         if casts is not None:
             casts.uninstall()
+        if norms is not None:
+            norms.uninstall()
         _remove_chunked_loss(loss_owner)
         raise
     hooks = BlockHooks(blocks)
@@ -509,6 +523,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
             offloader.close()
         if casts is not None:
             casts.uninstall()
+        if norms is not None:
+            norms.uninstall()
         _remove_chunked_loss(loss_owner)
         hooks.remove()
         arena.close()
@@ -516,6 +532,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
                     offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
     engine.casts = casts
+    engine.norms = norms
     engine.shared_host = shared
     engine.ddp_ignore = (ddp_ignore,) if ddp_hidden else None  # unwrap puts DDP's ignore list back
     engine.expandable_segments = expandable

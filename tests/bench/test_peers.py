@@ -204,12 +204,15 @@ def test_extra_jobs_join_the_table_with_ratios():
 
 def test_engine_quick_runs_trainstream_beside_peers(tmp_path, capsys):
     main(["engine", "--quick", "--seq", "16", "--repeats", "2",
-          "--peers", "peft,ts_lora,ts_nf4,ts_full,ts_paged", "--out", str(tmp_path), "--name", "e"])
+          "--peers", "peft,ts_lora,ts_nf4,ts_nf4_fused_norms,ts_full,ts_paged", "--out", str(tmp_path),
+          "--name", "e"])
     data = json.loads((tmp_path / "e.json").read_text())
     rows = {r["key"]: r for r in data["results"]}
-    assert data["suite"] == "engine" and set(rows) == {"peft", "ts_lora", "ts_nf4", "ts_full", "ts_paged"}
+    assert data["suite"] == "engine"
+    assert set(rows) == {"peft", "ts_lora", "ts_nf4", "ts_nf4_fused_norms", "ts_full", "ts_paged"}
     assert "partial" not in data  # the final write replaces the per-row ones
-    for key in ("ts_lora", "ts_nf4", "ts_full", "ts_paged"):
+    assert rows["ts_nf4_fused_norms"]["name"].endswith(", fused norms")
+    for key in ("ts_lora", "ts_nf4", "ts_nf4_fused_norms", "ts_full", "ts_paged"):
         assert rows[key]["status"] == "ok" and rows[key]["step_s"] > 0, rows[key]
         assert rows[key]["predicted_peak"] > 0 and "engine_stats" in rows[key]
     assert rows["ts_full"]["offloaded_optimizer_params"] > 0

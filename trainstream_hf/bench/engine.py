@@ -94,6 +94,7 @@ def trainstream_quant(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 
     device, fields = _common(f"trainstream_{quantize}", shape, False, batch, seq, device)
     name = f"trainstream {quantize} + LoRA r16, budget {vram_budget / 2**30:.0f} GiB" if vram_budget \
         else f"trainstream {quantize} + LoRA r16"
+    name += options.pop("name_suffix", "")
 
     def build():
         model = add_lora(_built_in_place(shape, device, seed, home=device, quantize=quantize), r=LORA["r"],
@@ -149,6 +150,9 @@ def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 2
 JOBS = {
     "ts_lora": ("lora", lambda shape, full_shape, budget, kw: trainstream_lora(shape, budget, **kw)),
     "ts_nf4": ("lora", lambda shape, full_shape, budget, kw: trainstream_quant(shape, budget, quantize="nf4", **kw)),
+    # the same with the Llama RMSNorms fused (fused_norms: same maths, not the same bits)
+    "ts_nf4_fused_norms": ("lora", lambda shape, full_shape, budget, kw: trainstream_quant(
+        shape, budget, quantize="nf4", fused_norms=True, name_suffix=", fused norms", **kw)),
     "ts_full": ("full", lambda shape, full_shape, budget, kw: trainstream_full(full_shape, budget, **kw)),
     # the same with device gradients (the Trainer's setting: its clipping needs them), overlapped and serial steps
     "ts_full_devgrads": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
