@@ -49,7 +49,8 @@ def _default_arch_list(cuda_home):
 def _cublaslt(cuda_home):
     """(include dirs, library dirs, link args) for cuBLASLt (csrc/cuda/fp8_gemm.cu): first the copy torch's CUDA
     wheels install (site-packages/nvidia/cu*/ or nvidia/cublas/: the very library torch loads, so its soname is
-    resolved when the extension loads), else the toolkit's. Raises SystemExit when neither has header and library."""
+    resolved when the extension loads), else the toolkit's; None where neither has header and library (the GEMM is
+    then left out of the build, with a warning: it is opt-in, and everything else builds without it)."""
     site = os.path.dirname(os.path.dirname(torch.__file__))
     for inc in sorted(glob.glob(os.path.join(site, "nvidia", "*", "include", "cublasLt.h")), reverse=True):
         root = os.path.dirname(os.path.dirname(inc))
@@ -59,8 +60,7 @@ def _cublaslt(cuda_home):
     header = os.path.join(cuda_home, "include", "cublasLt.h")
     if os.path.exists(header) and glob.glob(os.path.join(cuda_home, "lib*", "libcublasLt.so*")):
         return [], [], ["-lcublasLt"]
-    raise SystemExit("cuBLASLt not found: neither torch's nvidia/*/include + lib nor CUDA_HOME has cublasLt.h and "
-                     "libcublasLt.so")
+    return None
 
 
 cuda_home = cpp_extension.CUDA_HOME
@@ -86,7 +86,13 @@ if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list(cuda_home))
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     define_macros.append(("TRAINSTREAM_WITH_CUDA", "1"))
-    lt_include, lt_libdirs, lt_link = _cublaslt(cuda_home)
+    lt = _cublaslt(cuda_home)
+    if lt is None:
+        print("setup.py: warning: cuBLASLt not found (neither torch's nvidia/*/include + lib nor CUDA_HOME has "
+              "cublasLt.h and libcublasLt.so): building without ops.fp8_gemm_rowwise (TRAINSTREAM_FP8_GEMM=cublaslt)")
+        sources = [s for s in sources if not s.endswith("fp8_gemm.cu")]
+        lt = ([], [], [])
+    lt_include, lt_libdirs, lt_link = lt
     ext = cpp_extension.CUDAExtension(
         "trainstream_hf._C",
         sources,
