@@ -36,9 +36,9 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "../include/trainstream.h"
@@ -148,9 +148,10 @@ std::tuple<at::Tensor, at::Tensor> quantized_activation(const at::Tensor& x, con
 // The (1, K) float32 ones the backward's scale_b is, one per (device, K), made outside graph capture only.
 at::Tensor unit_scales(int64_t k, const at::TensorOptions& options) {
   static auto* mu = new std::mutex();
-  static auto* kept = new std::unordered_map<std::string, at::Tensor>();
+  static auto* kept = new std::map<std::tuple<int, int, int64_t>, at::Tensor>();
   if (capturing(options.device().type())) return at::ones({1, k}, options);
-  const std::string key = options.device().str() + "/" + std::to_string(k);
+  const at::Device device = options.device();
+  const auto key = std::make_tuple(static_cast<int>(device.type()), static_cast<int>(device.index()), k);
   std::lock_guard<std::mutex> lock(*mu);
   auto it = kept->find(key);
   if (it == kept->end()) it = kept->emplace(key, at::ones({1, k}, options)).first;

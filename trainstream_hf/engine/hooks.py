@@ -182,12 +182,15 @@ class BlockHooks:
         if listener not in self._listeners:
             self._listeners.append(listener)
             self._listeners.sort(key=lambda l: l.pack_priority)
-        self._packs = any(type(l).pack is not BlockListener.pack for l in self._listeners)
+        self._packs = self._any_packs()
 
     def discard(self, listener: BlockListener) -> None:
         if listener in self._listeners:
             self._listeners.remove(listener)
-        self._packs = any(type(l).pack is not BlockListener.pack for l in self._listeners)
+        self._packs = self._any_packs()
+
+    def _any_packs(self) -> bool:
+        return any(type(l).pack is not BlockListener.pack for l in self._listeners)
 
     @property
     def listeners(self) -> tuple[BlockListener, ...]:

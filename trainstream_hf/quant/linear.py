@@ -228,9 +228,7 @@ class QuantLinear(nn.Module):
         packed = [params[n] for n in self._packed_names]
         if packed[0].device != device:
             raise ValueError(f"QuantLinear: input is on {device} but the weight is on {packed[0].device}")
-        path = self._paths.get((device, self._act_quant))
-        if path is None:
-            path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
+        path = self._path_on(device)
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
         y = None
         if path.layer is not None and not (k and path.quantizes_activations) and x.numel():
@@ -247,6 +245,13 @@ class QuantLinear(nn.Module):
             y = y + bias.to(y.dtype)
         return y
 
+    def _path_on(self, device: torch.device) -> matmul.MatmulPath:
+        """The path for ``device`` and the current ``act_quant``, selected once and then looked up."""
+        path = self._paths.get((device, self._act_quant))
+        if path is None:
+            path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
+        return path
+
     def fused_lora_operands(self, x: torch.Tensor, lora_a: torch.Tensor) -> tuple[list[torch.Tensor], str] | None:
         """``(packed, fmt)`` for :func:`trainstream_hf.ops.lora_dequant_linear` when this layer would run ``x``
         through its native weight-only node (no bias, no activation quantization, a native decoder for the device)
@@ -257,9 +262,7 @@ class QuantLinear(nn.Module):
         device = x.device
         if not torch.is_autocast_enabled(device.type) and x.dtype != lora_a.dtype:
             return None
-        path = self._paths.get((device, self._act_quant))
-        if path is None:
-            path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)
+        path = self._path_on(device)
         decoder = self.fmt.native[1]
         if path is not matmul.DEQUANT or decoder is None or not ops.has_kernel(decoder, device):
             return None
