@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profiling import enqueue_seconds  # noqa: E402
 
 from trainstream_hf import ops  # noqa: E402
+from trainstream_hf.bench.common import environment  # noqa: E402
 from trainstream_hf.bench.quant import _dense, block_inputs, block_linears, block_step, block_weights  # noqa: E402
 from trainstream_hf.quant import QuantLinear  # noqa: E402
 from trainstream_hf.quant.formats import quantize  # noqa: E402
@@ -72,7 +73,7 @@ def main() -> None:
     linears = block_linears("llama3-8b")
     ws = block_weights(linears, dev, 0)
     xs, leaves, grads = block_inputs(linears, 2048, dev, 1)
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    out = environment("python3 " + " ".join(["scripts/host_fp8.py"] + sys.argv[1:]))
     fp8 = [QuantLinear(quantize(w, "fp8"), act_quant=True) for w in ws]
     # fp8_cublaslt: the same layers with their GEMMs on ops.fp8_gemm_rowwise (algorithm cached per shape)
     rows = {"bf16": [_dense(w) for w in ws], "fp8": fp8, "fp8_cublaslt": fp8}
