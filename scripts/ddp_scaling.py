@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,24 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainstream_hf.bench.common import environment, write_json  # noqa: E402
+from trainstream_hf.train.processes import cpu_launch_config  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(processes: int, config: str, extra: list[str], out: Path, cpu: bool) -> dict:
     """One ``accelerate launch`` of recipes/sft.py; returns its summary."""
     if cpu:  # the multi-GPU launcher (torchrun) with the recipe on the CPU, as tests/test_recipe_sft.py does
-        acc = out / f"launch-{processes}.yaml"
-        acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: "
-                       f"{'MULTI_GPU' if processes > 1 else 'NO'}\nmixed_precision: 'no'\nnum_machines: 1\n"
-                       f"num_processes: {processes}\nmachine_rank: 0\nmain_process_port: {_free_port()}\n"
-                       "use_cpu: false\ndynamo_config: {}\n")
+        acc, cpu_env = cpu_launch_config(out / f"launch-{processes}.yaml", processes)
         extra = ["--device", "cpu", *extra]
     else:
         acc = ROOT / "configs" / "accelerate" / ("single_gpu.yaml" if processes == 1 else "two_gpus.yaml")
@@ -56,9 +46,8 @@ def launch(processes: int, config: str, extra: list[str], out: Path, cpu: bool) 
     cmd = [accelerate if os.path.exists(accelerate) else "accelerate", "launch", "--config_file", str(acc),
            "--num_processes", str(processes), "recipes/sft.py", "--config", config, *extra,
            "--output_dir", str(run_dir)]
-    env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if cpu else "8")}
-    if cpu and Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env = {**(cpu_env if cpu else {}), **os.environ, **NO_MULTICAST}  # the caller's own settings win
+    env.setdefault("OMP_NUM_THREADS", "8")
     print("+", " ".join(cmd), flush=True)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     (out / f"launch-{processes}.log").write_text(r.stdout + r.stderr)

@@ -214,22 +214,15 @@ def test_two_processes_train_data_parallel(tmp_path, loop):
     which holds both processes' step times and host memory, and the processes share one host copy of the packed
     base (peer: auto). The launch config asks for the multi-GPU launcher and the recipe for the CPU, as in
     tests/integrations/test_accelerate.py."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = tmp_path / "two.yaml"
-    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n"
-                   f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {port}\n"
-                   "use_cpu: false\ndynamo_config: {}\n")
+    from trainstream_hf.train.processes import cpu_launch_config
+
+    cfg, extra = cpu_launch_config(tmp_path / "two.yaml", 2)
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSTREAM")}
-    env["OMP_NUM_THREADS"] = "1"
-    if Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(extra)
     accelerate = str(Path(sys.executable).parent / "accelerate")
     r = subprocess.run([accelerate, "launch", "--config_file", str(cfg), "recipes/sft.py", *CONFIG, "--device", "cpu",
                         "--loop", loop,

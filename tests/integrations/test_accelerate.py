@@ -1,7 +1,6 @@
 """TrainStreamAccelerator on the CPU: prepare() installs the engine; training matches plain Accelerate."""
 import copy
 import importlib.util
-import socket
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with
 import trainstream_hf as ts
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.integrations.accelerate import TrainStreamAccelerator, TrainStreamPlugin
+from trainstream_hf.train.processes import cpu_launch_config
 
 
 def _model():
@@ -19,7 +19,6 @@ def _model():
     return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                         max_position_embeddings=32))
-
 
 def _loop(acc, model, opt, sched, steps=5):
     for s in range(steps):
@@ -30,7 +29,6 @@ def _loop(acc, model, opt, sched, steps=5):
         opt.step()
         sched.step()
         opt.zero_grad()
-
 
 @pytest.mark.parametrize("grads", ["device", "host"])
 def test_accelerator_installs_engine_and_matches(grads):
@@ -54,7 +52,6 @@ def test_accelerator_installs_engine_and_matches(grads):
     diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
     assert diff < 1e-6
 
-
 def test_plugin_from_env():
     p = TrainStreamPlugin.from_env({"TRAINSTREAM": "on", "TRAINSTREAM_VRAM_BUDGET": "24GiB",
                                     "TRAINSTREAM_OFFLOAD_OPTIMIZER": "true", "TRAINSTREAM_SLOTS": "3",
@@ -67,7 +64,6 @@ def test_plugin_from_env():
         TrainStreamPlugin.from_env({"TRAINSTREAM": "yes"})
     assert not TrainStreamPlugin.from_env({"TRAINSTREAM": "off"}).active()
 
-
 def test_accelerate_launch_two_processes_matches_one_process(tmp_path):
     """``accelerate launch`` with 2 processes (torchrun underneath): the script's TrainStreamAccelerator(cpu=True)
     trains in 2 gloo processes (Accelerate's MULTI_CPU), DDP around the wrapped model, accumulation of 2 and
@@ -79,13 +75,8 @@ def test_accelerate_launch_two_processes_matches_one_process(tmp_path):
     spec = importlib.util.spec_from_file_location("ddp_worker", path)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = tmp_path / "two.yaml"  # a config file of its own: a user's default accelerate config must not leak in
-    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n"
-                   f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {port}\n"
-                   "use_cpu: false\ndynamo_config: {}\n")
+    # a config file of its own: a user's default accelerate config must not leak in
+    cfg, _ = cpu_launch_config(tmp_path / "two.yaml", 2)  # ddp_worker.launch sets the same environment
     accelerate = str(Path(sys.executable).parent / "accelerate")
     ranks = [r["accelerate"] for r in worker.launch([accelerate, "launch", "--config_file", str(cfg), str(path),
                                                      str(tmp_path), "accelerate"], tmp_path)]

@@ -171,6 +171,21 @@ def test_launch_environment():
     assert mem["pss_bytes"] > 0 and mem["rss_bytes"] >= mem["pss_bytes"]
 
 
+def test_cpu_launch_config(tmp_path):
+    import yaml
+
+    from trainstream_hf.train import processes
+
+    path, env = processes.cpu_launch_config(tmp_path / "two.yaml", 2)
+    cfg = yaml.safe_load(open(path))
+    assert cfg["distributed_type"] == "MULTI_GPU" and cfg["num_processes"] == 2 and cfg["use_cpu"] is False
+    assert 0 < cfg["main_process_port"] < 65536 and env["OMP_NUM_THREADS"] == "1"
+    one = yaml.safe_load(open(processes.cpu_launch_config(tmp_path / "one.yaml", 1)[0]))
+    assert one["distributed_type"] == "NO" and one["num_processes"] == 1
+    with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
+        processes.cpu_launch_config(tmp_path / "none.yaml", 0)
+
+
 def test_output_dir_is_checked_without_creating_it(tmp_path):
     report.check_output_dir(str(tmp_path / "a" / "b"))
     assert not (tmp_path / "a").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from trainstream_hf.train.config import ConfigError
 
 __all__ = ["Processes", "from_environment", "start", "finish", "device_for", "rank_batches", "mean", "total",
-           "gather", "host_memory", "trainable_checksum"]
+           "gather", "host_memory", "trainable_checksum", "cpu_launch_config", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +156,38 @@ def host_memory() -> dict:
     except OSError:
         return {}
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_launch_config(path, processes: int) -> tuple[str, dict]:
+    """An accelerate config for ``processes`` gloo processes on the CPU of this host, written to ``path``, and the
+    environment variables such a launch wants.
+
+    ``accelerate launch --cpu`` cannot start several processes without MPI (its simple launcher starts one), so the
+    config asks for the multi-GPU launcher (torchrun) and the script itself asks for the CPU (the recipes'
+    ``--device cpu``, Trainer's ``use_cpu=True``); with 1 process it is a plain launch. The port is a free one, so
+    that concurrent launches do not meet.
+
+    Returns:
+        (the config's path, {"OMP_NUM_THREADS": "1", and GLOO_SOCKET_IFNAME=lo where the host has a loopback
+        interface: gloo otherwise picks the host name's address, which some sandboxes cannot reach}).
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    kind = "MULTI_GPU" if processes > 1 else "'NO'"  # quoted: YAML reads a bare NO as false
+    text = ("compute_environment: LOCAL_MACHINE\n"
+            f"distributed_type: {kind}\nmixed_precision: 'no'\n"
+            f"num_machines: 1\nnum_processes: {processes}\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
+            "use_cpu: false\ndynamo_config: {}\n")
+    with open(path, "w") as f:
+        f.write(text)
+    env = {"OMP_NUM_THREADS": "1"}
+    if os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return str(path), env
