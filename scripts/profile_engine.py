@@ -26,6 +26,7 @@ from profiling import busy_time_us, export_trace  # scripts/profiling.py
 VARIANTS = {
     "default": {},
     "nf4": {"quantize": "nf4"},                          # the ts_nf4 row: NF4 base built packed, LoRA r16
+    "nf4_fused_norms": {"quantize": "nf4", "fused_norms": True},  # the ts_nf4_fused_norms row
     "peft": {"wrap": False},                             # stock bf16 + PEFT, unwrapped, no cap (36.5 GiB)
     "recompute_only": dict(offload_activations=False),   # the plan may only keep or recompute
     "offload_only": dict(recompute=False),               # the plan may only keep or offload
