@@ -71,6 +71,9 @@ TORCH_LIBRARY(trainstream, m) {
   // accumulated into the base GEMM's output (csrc/autograd/dequant_linear.cpp).
   m.def("lora_dequant_linear(Tensor x, Tensor[] packed, str fmt, Tensor lora_a, Tensor lora_b, float scaling) "
         "-> Tensor");
+  // A float32 matrix as bfloat16 parts (t = p0 + p1 + p2), the parts named by pattern laid side by side as row (dim 0)
+  // or column (dim 1) blocks: float32 products as one bf16 GEMM (csrc/cpu/split.cpp, csrc/cuda/split.cu).
+  m.def("split_bf16(Tensor t, int[] pattern, int dim) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -686,6 +686,10 @@ def lora_dequant_linear(x: torch.Tensor, packed: list[torch.Tensor], fmt: str, l
     tensors, and one rounding fewer than PEFT's graph (so not its bits). Gradients for ``x``, ``lora_a``,
     ``lora_b``; the packed weight is saved with ``save_for_backward`` and decoded again in the backward.
 
+    bf16 ``x`` with float32 adapters outside autocast (PEFT's default adapter dtype) is taken without widening
+    ``x``: the adapters' float32 operands are split into bf16 parts (:func:`split_bf16`) and each product is one bf16
+    GEMM with float32 accumulation, float32-level results (csrc/autograd/dequant_linear.cpp says which terms).
+
     Args:
         x: (..., K); packed: the weight's packed tensors; fmt: ``"int8"``, ``"nf4"``, ``"fp8"`` or ``"nvfp4"``.
         lora_a: (r, K); lora_b: (N, r); scaling: PEFT's ``lora_alpha / r`` (or rsLoRA's).
@@ -703,6 +707,25 @@ def _lora_dequant_linear_fake(x, packed, fmt, lora_a, lora_b, scaling):
 # --------------------------------------------------------------------------------------------
 # rms_norm (Llama-family RMSNorm, fused; trainstream_hf/engine/norms.py)
 # --------------------------------------------------------------------------------------------
+
+def split_bf16(t: torch.Tensor, pattern: list[int], dim: int) -> torch.Tensor:
+    """A float32 matrix as bfloat16 parts laid out for one bf16 GEMM: ``t = p0 + p1 + p2`` with ``p0 = bf16(t)``,
+    ``p1 = bf16(t - p0)``, ``p2 = bf16(t - p0 - p1)`` (round to nearest even; exact for ``t`` in bf16's normal
+    range), and the parts named by ``pattern`` side by side: row blocks (``dim=0``, shape ``(len(pattern) * R, C)``)
+    or column blocks (``dim=1``, shape ``(R, len(pattern) * C)``). Same bits on CPU and GPU.
+
+    Args:
+        t: (R, C) float32; pattern: 1 to 8 part indices, each 0, 1 or 2; dim: 0 or 1.
+    """
+    return torch.ops.trainstream.split_bf16.default(t, list(pattern), dim)
+
+
+@torch.library.register_fake("trainstream::split_bf16")
+def _split_bf16_fake(t, pattern, dim):
+    n = len(pattern)
+    shape = (n * t.shape[0], t.shape[1]) if dim == 0 else (t.shape[0], n * t.shape[1])
+    return t.new_empty(shape, dtype=torch.bfloat16)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)`` (transformers'

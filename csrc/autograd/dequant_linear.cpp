@@ -14,6 +14,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -110,11 +111,54 @@ at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c
 // beta = 1 (addmm): no separate multiply and add over the (T, N) output in the forward, nor add of the two (T, K)
 // input gradients in the backward (dx = dy W, then += (dy B s) A). One rounding fewer than PEFT's graph (which
 // rounds the adapter's product, then the sum): not PEFT's bits, closer to the exact sum.
+//
+// bf16 x with float32 adapters outside autocast (PEFT's default: get_peft_model upcasts bf16 adapters to float32),
+// the split regime: PEFT widens x to float32 and multiplies in float32, which on the 8B LoRA step cost ~40 ms of
+// copies of activation-sized tensors per step (profile on the H100, benchmarks/NOTES.md). Here nothing
+// activation-sized is widened: each float32 operand of an adapter product is split into bfloat16 parts (t = t0 + t1
+// + t2, exact; ops split_bf16) laid side by side along the inner dimension, and the product is one bf16 GEMM with
+// float32 accumulation (float32 output where the result stays float32): x A^T = [x] [A0; A1; A2]^T exactly term by
+// term, and for products of two float32 operands the six terms above 2^-24 (p0 q0, p0 q1, p1 q0, p0 q2, p2 q0, p1 q1)
+// -- float32-level results, summed in another order than PEFT's float32 GEMMs. The gradients of A and B are float32,
+// as PEFT's; y and dx are rounded once (PEFT rounds the adapter's input gradient, then the sum).
 // ---------------------------------------------------------------------------------------------------------------
 
 at::ScalarType lora_compute_dtype(const at::Tensor& x) {
   const auto device = x.device().type();
   return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
+}
+
+// The split regime (above): bf16 x, float32 adapters, autocast off.
+bool split_regime(const at::Tensor& x, const at::Tensor& a) {
+  return !at::autocast::is_autocast_enabled(x.device().type()) && x.scalar_type() == at::kBFloat16 &&
+         a.scalar_type() == at::kFloat;
+}
+
+// a @ b of bf16 matrices with a float32 result (float32 accumulation): aten::mm.dtype on CUDA (looked up by name:
+// torch builds without it widen instead); on the CPU, which has no kernel for it, the operands widened first
+// (exact), which gives the same float32 products.
+at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
+  using MmDtype = at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType);
+  static const auto op = [] {
+    auto handle = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
+    return handle ? std::optional<c10::TypedOperatorHandle<MmDtype>>(handle->typed<MmDtype>()) : std::nullopt;
+  }();
+  if (a.is_cuda() && op) return op->call(a, b, at::kFloat);
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+at::Tensor split_parts(const at::Tensor& t, std::vector<int64_t> pattern, int64_t dim) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("trainstream::split_bf16", "")
+                       .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, int64_t)>();
+  return op.call(t, pattern, dim);
+}
+
+// The float32 sum of `parts` column blocks of y (rows, parts * r) -> (rows, r), or row blocks (parts * r, cols) ->
+// (r, cols).
+at::Tensor sum_blocks(const at::Tensor& y, int64_t parts, int64_t dim) {
+  if (dim == 1) return y.view({y.size(0), parts, y.size(1) / parts}).sum(1);
+  return y.view({parts, y.size(0) / parts, y.size(1)}).sum(0);
 }
 
 void check_lora(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, at::ScalarType c) {
@@ -127,9 +171,10 @@ void check_lora(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, c
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type() && at::isFloatingType(a.scalar_type()),
                    "lora_dequant_linear: the adapters must be floating point, of one dtype; got ", a.scalar_type(),
                    " and ", b.scalar_type());
-  TORCH_CHECK_TYPE(at::autocast::is_autocast_enabled(x.device().type()) || a.scalar_type() == c,
-                   "lora_dequant_linear: outside autocast x and the adapters must share a dtype, got ", c, " and ",
-                   a.scalar_type(), " (ops.lora_add takes that case)");
+  TORCH_CHECK_TYPE(at::autocast::is_autocast_enabled(x.device().type()) || a.scalar_type() == c ||
+                       split_regime(x, a),
+                   "lora_dequant_linear: outside autocast x and the adapters must share a dtype (or be bfloat16 x "
+                   "with float32 adapters), got ", c, " and ", a.scalar_type(), " (ops.lora_add takes that case)");
 }
 
 struct LoraForward {
@@ -145,6 +190,20 @@ LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const 
   const at::Tensor w = decode(fmt, packed.vec(), c);
   check_lora(x, w, lora_a, lora_b, c);
   LoraForward f;
+  if (split_regime(x, lora_a)) {  // nothing widened; a, b kept in float32 (the backward splits them again)
+    f.x2d = x.reshape({-1, w.size(1)});
+    f.a = lora_a;
+    f.b = lora_b;
+    f.ya = sum_blocks(mm_f32(f.x2d, split_parts(lora_a, {0, 1, 2}, 0).t()), 3, 1);  // x A^T, (T, r) float32
+    at::Tensor y2d = at::mm(f.x2d, w.t());
+    // y += s (x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1
+    y2d.addmm_(split_parts(f.ya, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t(), /*beta=*/1,
+               /*alpha=*/scaling);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = w.size(0);
+    f.y = y2d.view(sizes);
+    return f;
+  }
   f.x2d = (x.scalar_type() == c ? x : x.to(c)).reshape({-1, w.size(1)});
   f.a = lora_a.scalar_type() == c ? lora_a : lora_a.to(c);
   f.b = lora_b.scalar_type() == c ? lora_b : lora_b.to(c);
@@ -192,6 +251,23 @@ class LoraDequantLinearFunction : public torch::autograd::Function<LoraDequantLi
     const size_t ia = n_packed + 2, ib = n_packed + 3, ea = n_packed + 1, eb = n_packed + 2;
     const at::ScalarType c = x2d.scalar_type();
     const at::Tensor g2d = (g.scalar_type() == c ? g : g.to(c)).reshape({-1, b.size(0)});
+    if (a.scalar_type() != c) {  // the split regime (forward kept the float32 adapters): see the header
+      const int64_t r = a.size(0);
+      const at::Tensor g_ya = sum_blocks(mm_f32(g2d, split_parts(b, {0, 1, 2}, 1)), 3, 1).mul_(scaling);  // (T, r) f32
+      if (ctx->needs_input_grad(eb)) {
+        out[ib] = sum_blocks(mm_f32(g2d.t(), split_parts(ya, {0, 1, 2}, 1)), 3, 1).mul_(scaling);
+      }
+      // g_ya's parts: the first three blocks for dA (x is bf16: exact), all six against A's for dx
+      const at::Tensor g6 = split_parts(g_ya, {0, 1, 2, 0, 0, 1}, 1);
+      if (ctx->needs_input_grad(ea)) out[ia] = sum_blocks(mm_f32(g6.narrow(1, 0, 3 * r).t(), x2d), 3, 0);
+      if (ctx->needs_input_grad(0)) {
+        const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), packed, c);
+        at::Tensor dx = at::mm(g2d, w);
+        dx.addmm_(g6, split_parts(a, {0, 0, 0, 1, 2, 1}, 0));  // terms g0 a0, g1 a0, g2 a0, g0 a1, g0 a2, g1 a1
+        out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
+      }
+      return out;
+    }
     const at::Tensor g_ya = at::mm(g2d, b).mul_(scaling);  // (T, r)
     if (ctx->needs_input_grad(eb)) {
       out[ib] = at::mm(g2d.t(), ya).mul_(scaling).to(static_cast<at::ScalarType>(dtypes[1]));

@@ -67,3 +67,24 @@ def test_fused_lora_cuda_close_to_peft_and_to_float64(fmt):
     e_fused = float((fused[0].double().reshape(-1, 192) - exact).abs().mean())
     e_peft = float((peft_[0].double().reshape(-1, 192) - exact).abs().mean())
     assert e_fused <= e_peft * 1.02, (e_fused, e_peft)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize("alpha", [32, 24])
+def test_fused_lora_split_regime_cuda(fmt, alpha):
+    """bf16 x, float32 adapters, no autocast (the bench's PEFT setting): the fused node's split-bf16 GEMMs (mm with a
+    float32 output on cuBLAS) against PEFT's float32 graph and float64, as tests/quant/test_lora.py on the CPU."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+    from test_lora import _exact_lora, check_split_regime
+
+    layer = _layer(fmt, alpha, bias=False)
+    (fused, peft_), (node, _), x0 = _both(layer, autocast=False)
+    assert "LoraDequantLinearFunction" in node
+    dy = torch.randn(2, 64, 192, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(2))
+    check_split_regime(fused, peft_, _exact_lora(layer, x0, dy))
+    # the same bits as the CPU kernel for the split itself
+    from trainstream_hf import ops
+    t = layer.lora_B["default"].weight.detach()
+    assert torch.equal(ops.split_bf16(t, [0, 1, 2, 0], 1).cpu(), ops.split_bf16(t.cpu(), [0, 1, 2, 0], 1))

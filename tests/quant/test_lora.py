@@ -281,8 +281,90 @@ def test_fused_lora_under_autocast_is_as_close_to_exact_as_peft():
         assert err < 2 ** -6, (what, err)
 
 
+def _exact_lora(layer, x, dy):
+    """float64 y, dx, dA, dB of the layer on x (its bf16 values), the adapters as they are (float32), the base's
+    dequantized weight in x's dtype: what PEFT's float32 adapter graph approximates."""
+    a = layer.lora_A["default"].weight.detach().double()
+    b = layer.lora_B["default"].weight.detach().double()
+    w = layer.base_layer.dequantize_weight().to(x.dtype).double()
+    s = layer.scaling["default"]
+    xd, g = x.double().reshape(-1, a.shape[1]), dy.double().reshape(-1, b.shape[0])
+    h = xd @ a.t()
+    return xd @ w.t() + s * h @ b.t(), g @ w + s * (g @ b) @ a, s * (g @ b).t() @ xd, s * g.t() @ h
+
+
+def check_split_regime(fused, peft_, exact):
+    """The split regime against PEFT's float32 graph: the float32 adapter gradients agree to float32 rounding; y and
+    dx (bf16) are within bf16 rounding of PEFT's and no further from float64 than PEFT's."""
+    for got, want, what in zip(fused, peft_, ("y", "dx", "dA", "dB")):
+        assert got.dtype == want.dtype, what
+        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert err < (2 ** -7 if got.dtype == torch.bfloat16 else 1e-5), (what, err)
+    for got, want, ref, what in zip(fused[:2], peft_[:2], exact[:2], ("y", "dx")):
+        e_fused = float((got.double().reshape(ref.shape) - ref).abs().mean())
+        e_peft = float((want.double().reshape(ref.shape) - ref).abs().mean())
+        assert e_fused <= e_peft * 1.02, (what, e_fused, e_peft)
+    for got, ref, what in zip(fused[2:], exact[2:], ("dA", "dB")):
+        err = float((got.double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, (what, err)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize("alpha", [16, 12])
+def test_fused_lora_bf16_x_float32_adapters_without_autocast(fmt, alpha):
+    """PEFT's default (bf16 model, adapters upcast to float32, no autocast): PEFT widens x to float32; the fused node
+    splits the float32 operands into bf16 parts instead (ops.split_bf16), nothing activation-sized widened."""
+    layer = _fused_layer(fmt, alpha)
+    layer.base_layer.to(torch.bfloat16)
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    torch.manual_seed(5)
+    x = torch.randn(4, 16, 128).to(torch.bfloat16)
+    dy = torch.randn(4, 16, 64).to(torch.bfloat16)
+    fused, node = _run(layer, x, dy, native=True, autocast=False)
+    peft_, _ = _run(layer, x, dy, native=False, autocast=False)
+    assert "LoraDequantLinearFunction" in node
+    assert [t.dtype for t in fused] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    check_split_regime(fused, peft_, _exact_lora(layer, x, dy))
+
+
+def test_fused_lora_split_regime_saves_no_widened_input():
+    layer = _fused_layer()
+    layer.base_layer.to(torch.bfloat16)
+    x = torch.randn(6, 128, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert "LoraDequantLinearFunction" in y.grad_fn.name()
+    assert [t.dtype for t in saved if t.shape == (6, 128)] == [torch.bfloat16]
+    assert sum(t.numel() * t.element_size() for t in saved if t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] == 6) \
+        == 6 * 8 * 4  # the float32 x A^T, (tokens, r)
+
+
+def test_split_bf16():
+    from trainstream_hf import ops
+    torch.manual_seed(0)
+    t = torch.randn(5, 7) * torch.logspace(-20, 20, 7)
+    parts = ops.split_bf16(t, [0, 1, 2], 0)
+    assert parts.shape == (15, 7) and parts.dtype == torch.bfloat16
+    p0, p1, p2 = parts.view(3, 5, 7).double()
+    assert torch.equal(p0 + p1 + p2, t.double())  # exact in bf16's normal range
+    assert torch.equal(parts[:5], t.to(torch.bfloat16))
+    cols = ops.split_bf16(t, [0, 0, 2, 1], 1)
+    assert cols.shape == (5, 28)
+    for j, k in enumerate([0, 0, 2, 1]):
+        assert torch.equal(cols[:, 7 * j:7 * (j + 1)], parts[5 * k:5 * (k + 1)])
+    with pytest.raises(TypeError, match="t must be float32"):
+        ops.split_bf16(t.double(), [0], 0)
+    with pytest.raises(ValueError, match="pattern entries must be 0, 1 or 2"):
+        ops.split_bf16(t, [3], 0)
+    with pytest.raises(ValueError, match="dim must be 0"):
+        ops.split_bf16(t, [0], 2)
+    with pytest.raises(ValueError, match="1 to 8 parts"):
+        ops.split_bf16(t, [0] * 9, 0)
+
+
 def test_fused_lora_is_taken_only_where_it_applies():
-    """A bias, an activation-quantized base (fp8 W8A8), bf16 x with fp32 adapters outside autocast, or a hook on the
+    """A bias, an activation-quantized base (fp8 W8A8), fp16 x with fp32 adapters outside autocast, or a hook on the
     base: the base and the adapter run apart (lora_add, PEFT's bits)."""
     x = torch.randn(3, 128)
     assert "LoraDequantLinearFunction" in _fused_layer()(x).grad_fn.name()
@@ -292,8 +374,10 @@ def test_fused_lora_is_taken_only_where_it_applies():
     w8a8.base_layer.act_quant = True
     assert w8a8.base_layer.fused_lora_operands(x, w8a8.lora_A["default"].weight) is None
     mixed = _fused_layer()
+    mixed.base_layer.to(torch.float16)  # fp32 split into fp16 parts would fall below fp16's range: not split
+    assert "LoraAddFunction" in mixed(x.to(torch.float16)).grad_fn.name()
     mixed.base_layer.to(torch.bfloat16)
-    assert "LoraAddFunction" in mixed(x.to(torch.bfloat16)).grad_fn.name()
+    assert "LoraDequantLinearFunction" in mixed(x.to(torch.bfloat16)).grad_fn.name()
     hooked = _fused_layer()
     seen = []
     hooked.base_layer.register_forward_hook(lambda m, i, o: seen.append(o.shape))
@@ -310,6 +394,6 @@ def test_fused_lora_bad_operands():
     with pytest.raises(ValueError, match="lora_a must be"):
         ops.lora_dequant_linear(torch.randn(2, 128), packed, fmt, a[:, :64], b, 2.0)
     with pytest.raises(TypeError, match="must share a dtype"):
-        ops.lora_dequant_linear(torch.randn(2, 128, dtype=torch.bfloat16), packed, fmt, a, b, 2.0)
+        ops.lora_dequant_linear(torch.randn(2, 128, dtype=torch.float16), packed, fmt, a, b, 2.0)
     with pytest.raises(ValueError, match="takes 4 packed tensors"):
         ops.lora_dequant_linear(torch.randn(2, 128), packed[:2], fmt, a, b, 2.0)

@@ -255,12 +255,14 @@ class QuantLinear(nn.Module):
     def fused_lora_operands(self, x: torch.Tensor, lora_a: torch.Tensor) -> tuple[list[torch.Tensor], str] | None:
         """``(packed, fmt)`` for :func:`trainstream_hf.ops.lora_dequant_linear` when this layer would run ``x``
         through its native weight-only node (no bias, no activation quantization, a native decoder for the device)
-        and the adapter computes in the same dtype as the base (autocast on, or ``x`` in ``lora_a``'s dtype); else
-        None (the base and the adapter then run separately, with PEFT's numbers)."""
+        and the adapter computes in the same dtype as the base (autocast on, or ``x`` in ``lora_a``'s dtype) or the
+        node splits float32 adapters over bf16 ``x`` (ops.lora_dequant_linear); else None (the base and the adapter
+        then run separately, with PEFT's numbers)."""
         if self.bias is not None or not x.numel() or x.dtype not in ops.WEIGHT_DTYPES:
             return None
         device = x.device
-        if not torch.is_autocast_enabled(device.type) and x.dtype != lora_a.dtype:
+        if not torch.is_autocast_enabled(device.type) and x.dtype != lora_a.dtype and not (
+                x.dtype == torch.bfloat16 and lora_a.dtype == torch.float32):
             return None
         path = self._path_on(device)
         decoder = self.fmt.native[1]
