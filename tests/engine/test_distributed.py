@@ -117,3 +117,21 @@ def test_data_parallel_option():
                          min_offload_numel=0, **worker.ENGINE)
     assert opt.grads_mode == "host"
     ts.unwrap(model)
+
+
+def test_exit_handler_is_registered_once_and_waits_only_under_a_process_group(monkeypatch):
+    """settle_collectives_at_exit: one atexit handler per process, whatever the number of wraps; it releases the GIL
+    (sleeps) only while a process group exists, so gloo's worker threads can finish before finalization."""
+    registered, slept = [], []
+    monkeypatch.setattr(distributed, "_SETTLE_REGISTERED", False)
+    monkeypatch.setattr(distributed.atexit, "register", registered.append)
+    monkeypatch.setattr(distributed.time, "sleep", slept.append)
+    distributed.settle_collectives_at_exit()
+    distributed.settle_collectives_at_exit()
+    assert registered == [distributed._settle]
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    distributed._settle()
+    assert slept == []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    distributed._settle()
+    assert slept == [distributed.SETTLE_SECONDS]

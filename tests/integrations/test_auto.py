@@ -3,6 +3,7 @@ nothing at all. The scripts run in subprocesses, as users run them: through the 
 .pth start-up hook."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,35 @@ def test_accelerate_launch_installs_the_engine(script, plain, tmp_path):
     assert abs(result["weight_sum"] - plain["weight_sum"]) < 1e-3
     losses = [h["loss"] for h in result["log_history"] if "loss" in h]
     assert all(abs(a - b["loss"]) < 1e-4 for a, b in zip(losses, [h for h in plain["log_history"] if "loss" in h]))
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_processes(script, tmp_path):
+    """TRAINSTREAM=on under a 2-process launch (torchrun underneath, gloo: the script asks for the CPU): the env
+    callback installs the engine in each process at the first step, after Accelerate built DDP around the model; the
+    engine sees the process group (gradients stay on the device for DDP to average) and steps the optimizer on the
+    host. Both processes end with the same weights, and the same losses and weights as the plain 2-process run; both
+    exit cleanly (the engine's exit handler lets gloo's worker threads finish with the interpreter alive:
+    engine/distributed.py, settle_collectives_at_exit)."""
+    from trainstream_hf.train.processes import cpu_launch_config
+
+    cfg, extra = cpu_launch_config(tmp_path / "two.yaml", 2)
+    accelerate = str(Path(PY).parent / "accelerate")
+    runs = {}
+    for name, launch, env in (("plain", [str(script)], extra),
+                              ("engine", ["-m", "trainstream_hf.auto", str(script)], {**ENGINE, **extra})):
+        r = subprocess.run([accelerate, "launch", "--config_file", cfg, *launch, str(tmp_path / name)],
+                           cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-4000:]
+        # both processes print: their lines may interleave, so read the numbers, not the JSON
+        runs[name] = ([float(v) for v in re.findall(r'"loss": ([0-9.e+-]+)', r.stdout)],
+                      [float(v) for v in re.findall(r'"weight_sum": ([0-9.e+-]+)', r.stdout)], r.stderr)
+    (plain_losses, plain_sums, _), (losses, sums, err) = runs["plain"], runs["engine"]
+    assert err.count("TRAINSTREAM=on installed the engine") == 2 and "grads='device'" in err
+    assert len(sums) == 2 and sums[0] == sums[1]  # the replicas agree
+    assert len(plain_sums) == 2 and abs(sums[0] - plain_sums[0]) < 1e-6 * abs(plain_sums[0])
+    assert len(losses) == len(plain_losses) == 8
+    assert max(abs(a - b) for a, b in zip(sorted(losses), sorted(plain_losses))) < 1e-4
 
 
 @pytest.mark.slow

@@ -33,14 +33,16 @@ a default process group of more than one process (``data_parallel="auto"``) it a
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
+import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["process_group", "check_not_ddp", "check_no_trainable_paged", "check_same_plan", "broadcast_from_rank0",
+__all__ = ["process_group", "settle_collectives_at_exit", "check_not_ddp", "check_no_trainable_paged", "check_same_plan", "broadcast_from_rank0",
            "hide_frozen_from_ddp", "restore_ddp_ignore", "DDP_IGNORE"]
 
 # The module attribute DistributedDataParallel reads the names of the parameters and buffers it leaves alone from
@@ -76,7 +78,37 @@ def process_group(data_parallel: str | bool, grads: str):
                          "zeros and the replicas would drift apart; DDP's buckets keep the gradients on the device "
                          "anyway. Use grads='device' or 'auto' (or data_parallel=False if the processes train "
                          "independent models)")
+    settle_collectives_at_exit()
     return dist.group.WORLD
+
+
+_SETTLE_REGISTERED = False
+SETTLE_SECONDS = 0.1
+
+
+def settle_collectives_at_exit() -> None:
+    """Registers, once per process, an exit handler that releases the GIL for :data:`SETTLE_SECONDS` while the
+    interpreter is still whole.
+
+    Why: a collective's work object may be freed by the backend's worker thread after the Python side let go of its
+    tensors; freeing a tensor whose Python object the C++ side then owns takes the GIL. If the interpreter is already
+    finalizing, Python ends that thread inside a C++ destructor and the process aborts with "terminate called without
+    an active exception". Seen in 2 of ~76 zero-code runs of two gloo processes (tests/integrations/test_auto.py):
+    gdb on the core showed gloo's ``runLoop`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+    ``pthread_exit`` while the main thread was in ``Py_FinalizeEx``'s garbage collection; pytorch/pytorch PR 179291
+    describes the same race. A thread waiting for the GIL at exit gets it during this sleep and finishes first. It
+    narrows the window rather than closing it (a worker descheduled for longer still races, as in any torch
+    program): torch owns the fix.
+    """
+    global _SETTLE_REGISTERED
+    if not _SETTLE_REGISTERED:
+        _SETTLE_REGISTERED = True
+        atexit.register(_settle)
+
+
+def _settle() -> None:
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(SETTLE_SECONDS)
 
 
 def check_not_ddp(model: nn.Module) -> None:
