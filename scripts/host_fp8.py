@@ -11,8 +11,8 @@ TRAINSTREAM_FP8_GEMM=cublaslt: ops.fp8_gemm_rowwise, cuBLASLt's algorithm cached
   floor the eager step approaches when the host keeps ahead of the GPU;
 * ``enqueue``: host seconds per step while the GPU is kept busy (a step is host-bound when this exceeds ``graph``),
   split into the forward (graph recorded), the forward without autograd, and the raw native calls of the path
-  (fp8_linear forward, which quantizes inside, and fp8_linear_dgrad backward) with no Python layer or autograd around
-  them.
+  (fp8_linear forward, which quantizes inside, and fp8_linear_dgrad backward, with and without the transposed codes)
+  with no Python layer or autograd around them.
 
 ``--cprofile`` adds Python's profile of 50 eager FP8 steps (the host functions, C++ time charged to the builtins that
 call it). Prints one JSON object.
@@ -103,16 +103,21 @@ def main() -> None:
         def raw_backward():
             return [ops.fp8_linear_dgrad(g, q.weight_data, q.weight_scale) for q, g in zip(qs, grads)]
 
-        def raw_backward_cached_transpose(wts=[ops.transpose_bytes(q.weight_data) for q in qs],
-                                          ones=[torch.ones(1, q.in_features, device=dev) for q in qs]):
+        wts = [ops.transpose_bytes(q.weight_data) for q in qs]
+
+        def raw_backward_cached_transpose(wts=wts, ones=[torch.ones(1, q.in_features, device=dev) for q in qs]):
             outs = []
             for q, g, wt, one in zip(qs, grads, wts, ones):
                 gq, sg = ops.quantize_rows_e4m3(g, q.weight_scale)
                 outs.append(torch._scaled_mm(gq, wt.t(), scale_a=sg, scale_b=one, out_dtype=g.dtype))
             return outs
 
+        def raw_backward_w_t(wts=wts):  # the native dgrad given the kept transposed codes (QuantLinear's cache)
+            return [ops.fp8_linear_dgrad(g, q.weight_data, q.weight_scale, wt) for q, g, wt in zip(qs, grads, wts)]
+
         for name, fn in [("raw_forward", raw_forward), ("raw_backward", raw_backward),
-                         ("raw_backward_cached_transpose", raw_backward_cached_transpose)]:
+                         ("raw_backward_cached_transpose", raw_backward_cached_transpose),
+                         ("raw_backward_w_t", raw_backward_w_t)]:
             out[name] = {"enqueue_ms": 1e3 * enqueue_seconds(fn, 5), "graph_ms": 1e3 * graph_seconds(fn)}
         xq, sx = ops.quantize_rows_e4m3(plain[0])
         ops_host = {

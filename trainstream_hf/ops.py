@@ -577,7 +577,8 @@ def transpose_bytes_reference(x: torch.Tensor) -> torch.Tensor:
 # fp8_linear (the FP8 tensor-core layer with its autograd node in C++, trainstream_hf/quant/matmul.py)
 # --------------------------------------------------------------------------------------------
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: bool = True) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: bool = True,
+               w_t: torch.Tensor | None = None) -> torch.Tensor:
     """``y = torch._scaled_mm(e4m3(x) per row, w.t(), scale_a=s_x, scale_b=w_scale (1, N), out_dtype=x.dtype)`` as
     (..., N), differentiable in ``x``: the backward is :func:`fp8_linear_dgrad` of the output gradient, computed in
     C++ (no Python, no GIL, on the autograd thread). ``w`` and ``w_scale`` are saved for it with ``save_for_backward``
@@ -592,8 +593,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
     Args:
         x: (..., K) bfloat16 / float16, the layer's input.
         w: (N, K) float8_e4m3fn codes; w_scale: float32 (N,) per-output-channel scale.
+        reuse: keep / reuse the activation quantization as above.
+        w_t: optional ``w`` transposed, (K, N) float8_e4m3fn (:func:`transpose_bytes` of ``w``), which the caller keeps
+            in step with ``w``: the backward takes it instead of transposing ``w`` on every call (same bits). It is
+            held by the autograd node, not saved with ``save_for_backward`` (saved-tensor hooks do not see it).
     """
-    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse)
+    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse, w_t)
 
 
 def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -630,23 +635,33 @@ def fp8_forget_activation() -> None:
     _C.fp8_activation_cache(True)
 
 
-def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     w_t: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 layer's input gradient: ``g = dy * w_scale`` quantized per row to E4M3 (:func:`quantize_rows_e4m3`),
-    times the column-major codes (:func:`transpose_bytes`) on the tensor cores with scale_b ones; (T, K) in dy's
-    dtype."""
-    return torch.ops.trainstream.fp8_linear_dgrad.default(dy, w, w_scale)
+    times the column-major codes on the tensor cores with scale_b ones; (T, K) in dy's dtype. The column-major codes
+    are ``w_t`` where given ((K, N) float8_e4m3fn, ``w`` transposed), else :func:`transpose_bytes` of ``w``, made for
+    this call; the same bytes either way, so the same bits."""
+    return torch.ops.trainstream.fp8_linear_dgrad.default(dy, w, w_scale, w_t)
+
+
+def _check_transposed_fake(op, w, w_t):
+    if w_t is not None:
+        torch._check(w_t.dim() == 2 and w_t.shape[0] == w.shape[1] and w_t.shape[1] == w.shape[0],
+                     lambda: f"{op}: w_t must be w transposed, (K, N)")
 
 
 @torch.library.register_fake("trainstream::fp8_linear")
-def _fp8_linear_fake(x, w, w_scale, reuse=True):
+def _fp8_linear_fake(x, w, w_scale, reuse=True, w_t=None):
     torch._check(x.dim() >= 1 and w.dim() == 2 and x.shape[-1] == w.shape[1], lambda: "fp8_linear: x must be (..., K)")
+    _check_transposed_fake("fp8_linear", w, w_t)
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @torch.library.register_fake("trainstream::fp8_linear_dgrad")
-def _fp8_linear_dgrad_fake(dy, w, w_scale):
+def _fp8_linear_dgrad_fake(dy, w, w_scale, w_t=None):
     torch._check(dy.dim() == 2 and w.dim() == 2 and dy.shape[1] == w.shape[0],
                  lambda: "fp8_linear_dgrad: dy must be (T, N)")
+    _check_transposed_fake("fp8_linear_dgrad", w, w_t)
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
 

@@ -8,11 +8,20 @@
 // from Python does the reshape, the quantization (or its reuse), the GEMM and the view, and the backward never takes
 // the GIL.
 //
-//   fp8_linear(x, w, w_scale, reuse) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1), scale_b = w_scale
-//       (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn codes, w_scale (N,)
-//       float32. reuse: keep this quantization of x for the next call on the same x (below).
-//   fp8_linear_dgrad(dy, w, w_scale) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a = s_g,
-//       scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
+//   fp8_linear(x, w, w_scale, reuse, w_t) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1), scale_b =
+//       w_scale (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn codes, w_scale
+//       (N,) float32. reuse: keep this quantization of x for the next call on the same x (below). w_t: optional, w's
+//       codes transposed, (K, N) contiguous, handed to the backward (below); the forward does not read it.
+//   fp8_linear_dgrad(dy, w, w_scale, w_t) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a =
+//       s_g, scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
+//
+// The transposed weight. Hopper's FP8 GEMMs take both operands K-major, so the backward's (N, K) operand must be
+// column-major: a (K, N) row-major copy of w. Without w_t the backward makes one per call (transpose_bytes: N*K bytes
+// read and written, 7 calls and ~8% of a Llama-3-8B block's FP8 step on the H100). With w_t it takes that copy as it
+// is, the same bytes, so dx is the same bits. The caller owns the copy and keeps it in step with w (QuantLinear keeps
+// one per layer, trainstream_hf/quant/linear.py); it is held by the autograd node in saved_data, not saved with
+// save_for_backward, so saved-tensor hooks never see it: it is a layer's weight, not an activation, and the engine's
+// activation offloader would otherwise copy it to the host and back every step.
 //
 // Reuse of one quantized activation. Llama's q / k / v projections read one hidden state, gate / up another:
 // quantizing it once instead of three (two) times saves 3 of the 7 per-token quantizations of a block's forward. The
@@ -28,7 +37,7 @@
 // finds its tensor dead, or at fp8_forget_activation(); the reused result is the same bits as a fresh one.
 //
 // w and w_scale are saved with save_for_backward, so saved-tensor hooks (the engine's weight pager, activation
-// checkpointing) see them as they see any saved tensor. No gradient for w, w_scale.
+// checkpointing) see them as they see any saved tensor. No gradient for w, w_scale, w_t.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -38,6 +47,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -176,6 +186,15 @@ at::Tensor scaled_mm_rowwise(const at::Tensor& a, const at::Tensor& b, const at:
   return at::_scaled_mm(a, b.t(), sa, sb.view({1, -1}), std::nullopt, std::nullopt, out_dtype, false);
 }
 
+void check_transposed(const at::Tensor& w_t, const at::Tensor& w, const char* op) {
+  TORCH_CHECK_TYPE(w_t.scalar_type() == at::kFloat8_e4m3fn, op, ": w_t must be float8_e4m3fn, got ",
+                   w_t.scalar_type());
+  TORCH_CHECK_VALUE(w_t.dim() == 2 && w_t.size(0) == w.size(1) && w_t.size(1) == w.size(0), op,
+                    ": w_t must be w transposed, (", w.size(1), ", ", w.size(0), "), got shape ", w_t.sizes());
+  TORCH_CHECK_VALUE(w_t.device() == w.device(), op, ": w_t must be on w's device (", w.device(), "), got ",
+                    w_t.device());
+}
+
 }  // namespace
 
 std::vector<int64_t> fp8_activation_cache(bool clear) {
@@ -185,8 +204,10 @@ std::vector<int64_t> fp8_activation_cache(bool clear) {
   return {cache.kept.has_value() ? 1 : 0, cache.hits, cache.misses};
 }
 
-at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse) {
+at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
+                              const std::optional<at::Tensor>& w_t) {
   check_operands(w, w_scale, "fp8_linear");
+  if (w_t.has_value() && w_t->defined()) check_transposed(*w_t, w, "fp8_linear");  // now, not in the backward
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(1), "fp8_linear: x must be (..., ", w.size(1), "), got ",
                     x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
@@ -199,18 +220,21 @@ at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at
   return y.view(sizes);
 }
 
-at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& w_scale) {
+at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& w_scale,
+                            const std::optional<at::Tensor>& w_t) {
   check_operands(w, w_scale, "fp8_linear_dgrad");
   TORCH_CHECK_VALUE(dy.dim() == 2 && dy.size(1) == w.size(0), "fp8_linear_dgrad: dy must be (tokens, ", w.size(0),
                     "), got ", dy.sizes());
+  const bool given = w_t.has_value() && w_t->defined();
+  if (given) check_transposed(*w_t, w, "fp8_linear_dgrad");
   static auto transpose = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("trainstream::transpose_bytes", "")
                               .typed<at::Tensor(const at::Tensor&)>();
   auto [gq, sg] = quantize_op().call(dy, std::optional<at::Tensor>(w_scale.reshape({-1})));  // dy * s_w, per row
-  // The (N, K) operand column-major = a row-major (K, N) copy viewed back.
-  const at::Tensor w_t = transpose.call(w);
+  // The (N, K) operand column-major = a row-major (K, N) copy viewed back: the caller's, or one made now.
+  const at::Tensor wt = given ? aligned(*w_t) : transpose.call(w);
   const at::Tensor ones = unit_scales(w.size(1), dy.options().dtype(at::kFloat));
-  return scaled_mm_rowwise(gq, w_t, sg, ones, dy.scalar_type());
+  return scaled_mm_rowwise(gq, wt, sg, ones, dy.scalar_type());
 }
 
 namespace {
@@ -218,11 +242,13 @@ namespace {
 class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& w_scale, bool reuse) {
+                            const at::Tensor& w_scale, bool reuse, const std::optional<at::Tensor>& w_t) {
     at::AutoDispatchBelowADInplaceOrView guard;  // below autograd: the reshape and the view are no nodes of their own
     ctx->save_for_backward({w, w_scale});
     ctx->saved_data["sizes"] = x.sizes().vec();
-    return fp8_linear_forward(x, w, w_scale, reuse);
+    // Not through save_for_backward: the caller's weight copy, not an activation (see the top of this file).
+    if (w_t.has_value() && w_t->defined()) ctx->saved_data["w_t"] = *w_t;
+    return fp8_linear_forward(x, w, w_scale, reuse, w_t);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -232,15 +258,19 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     at::Tensor dx;
     if (ctx->needs_input_grad(0) && grads[0].defined()) {
       const at::Tensor& w = saved[0];
-      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1])
+      const auto kept = ctx->saved_data.find("w_t");
+      const std::optional<at::Tensor> w_t =
+          kept == ctx->saved_data.end() ? std::nullopt : std::optional<at::Tensor>(kept->second.toTensor());
+      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1], w_t)
                .view(ctx->saved_data["sizes"].toIntVector());
     }
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse) {
-  return Fp8LinearFunction::apply(x, w, w_scale, reuse);
+at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
+                               const std::optional<at::Tensor>& w_t) {
+  return Fp8LinearFunction::apply(x, w, w_scale, reuse, w_t);
 }
 
 }  // namespace
