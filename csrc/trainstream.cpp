@@ -78,6 +78,12 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "trainstream_hf native runtime: host arena, shared host memory, staging pool (ops live in torch.ops.trainstream)";
   m.def("fp8_activation_cache", &trainstream::fp8_activation_cache, pybind11::arg("clear") = false,
         "The FP8 layer's kept activation quantization: [kept (0/1), hits, misses]; clear=True drops it first.");
+  m.def("fp8_gemm_setting", &trainstream::fp8_gemm_setting, pybind11::arg("choice") = pybind11::none(),
+        pybind11::arg("from_env") = false,
+        "The FP8 layer's GEMM setting (auto / cublaslt / torch): set it to choice, or read TRAINSTREAM_FP8_GEMM "
+        "again (from_env); returns the setting now.");
+  m.def("fp8_gemm_on", &trainstream::fp8_gemm_on, pybind11::arg("device"),
+        "The GEMM the FP8 layer runs on this device under the current setting: cublaslt or torch.");
   m.def("built_with_cuda", &trainstream::built_with_cuda,
         "True when the extension was compiled with CUDA support.");
   m.def("adamw_isa", &trainstream::adamw_isa,

@@ -2,9 +2,11 @@
 
 python3 scripts/host_fp8.py [--cprofile]
 
-For the Llama-3-8B block (7 layers, 2048 bf16 tokens, forward + input gradients: bench quant's block_step), three
-rows: ``bf16`` (nn.Linear), ``fp8`` (QuantLinear W8A8 on torch._scaled_mm) and ``fp8_cublaslt`` (the same layers with
-TRAINSTREAM_FP8_GEMM=cublaslt: ops.fp8_gemm_rowwise, cuBLASLt's algorithm cached per shape); for each:
+For the Llama-3-8B block (7 layers, 2048 bf16 tokens, forward + input gradients: bench quant's block_step), four
+rows: ``bf16`` (nn.Linear), ``fp8`` (QuantLinear W8A8 on torch._scaled_mm), ``fp8_cublaslt`` (the same layers on
+ops.fp8_gemm_rowwise, cuBLASLt's algorithm cached per shape; the GEMM is switched with ops.set_fp8_gemm, since the FP8
+layer reads TRAINSTREAM_FP8_GEMM only once) and ``fp8_cublaslt_no_wt_cache`` (that, with the layers'
+fp8_transpose_cache off: the backward transposes each weight per call); for each:
 
 * ``wall``: median seconds of a synchronised step (what bench quant reports);
 * ``graph``: the same step captured once in a CUDA graph and replayed: its kernels alone, no host in the way -- the
@@ -22,7 +24,6 @@ from __future__ import annotations
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -75,10 +76,13 @@ def main() -> None:
     xs, leaves, grads = block_inputs(linears, 2048, dev, 1)
     out = environment("python3 " + " ".join(["scripts/host_fp8.py"] + sys.argv[1:]))
     fp8 = [QuantLinear(quantize(w, "fp8"), act_quant=True) for w in ws]
-    # fp8_cublaslt: the same layers with their GEMMs on ops.fp8_gemm_rowwise (algorithm cached per shape)
-    rows = {"bf16": [_dense(w) for w in ws], "fp8": fp8, "fp8_cublaslt": fp8}
+    # fp8_cublaslt: the same layers with their GEMMs on ops.fp8_gemm_rowwise (algorithm cached per shape);
+    # fp8_cublaslt_no_wt_cache: and without the kept transposed codes (the backward transposes each weight per call)
+    rows = {"bf16": [_dense(w) for w in ws], "fp8": fp8, "fp8_cublaslt": fp8, "fp8_cublaslt_no_wt_cache": fp8}
     for name, layers in rows.items():
-        os.environ["TRAINSTREAM_FP8_GEMM"] = "cublaslt" if name == "fp8_cublaslt" else "torch"
+        ops.set_fp8_gemm("cublaslt" if name.startswith("fp8_cublaslt") else "torch")
+        for q in fp8:
+            q.fp8_transpose_cache = name != "fp8_cublaslt_no_wt_cache"
         step = block_step(layers, xs, leaves, grads)
 
         def forward(layers=layers):
@@ -92,7 +96,9 @@ def main() -> None:
              "enqueue_step_ms": 1e3 * enqueue_seconds(step, 5), "enqueue_forward_ms": 1e3 * enqueue_seconds(forward, 5),
              "enqueue_forward_no_grad_ms": 1e3 * enqueue_seconds(forward_no_grad, 5)}
         out[name] = r
-    os.environ["TRAINSTREAM_FP8_GEMM"] = "torch"
+    ops.set_fp8_gemm("torch")
+    for q in fp8:
+        q.fp8_transpose_cache = True
     # The native calls alone, the same 7 layers: forward = quantize x + fp8_linear, backward = fp8_linear_dgrad.
     qs = rows["fp8"]
     plain = [x.detach() for x in xs]

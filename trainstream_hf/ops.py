@@ -605,8 +605,8 @@ def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, sc
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``(a @ b.T) * scale_a[:, None] * scale_b[None, :]`` in ``out_dtype``: what ``torch._scaled_mm(a, b.t(),
     scale_a (M, 1), scale_b (1, N))`` computes, on cuBLASLt with its algorithm chosen once per shape instead of on
-    every call (CUDA builds, sm_90 and cuBLAS 12.9+; csrc/cuda/fp8_gemm.cu). The FP8 layer uses it where
-    ``TRAINSTREAM_FP8_GEMM=cublaslt``.
+    every call (CUDA builds, sm_90 and cuBLAS 12.9+; csrc/cuda/fp8_gemm.cu). The FP8 layer uses it by default on
+    sm_90 where the build has it (:func:`fp8_gemm`, :func:`set_fp8_gemm`).
 
     Args:
         a: (M, K) float8_e4m3fn; b: (N, K) float8_e4m3fn (row-major, as a linear layer's weight).
@@ -663,6 +663,52 @@ def _fp8_linear_dgrad_fake(dy, w, w_scale, w_t=None):
                  lambda: "fp8_linear_dgrad: dy must be (T, N)")
     _check_transposed_fake("fp8_linear_dgrad", w, w_t)
     return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+FP8_GEMMS = ("auto", "cublaslt", "torch")
+
+
+def fp8_gemm(device: torch.device | str | None = None) -> str:
+    """The FP8 layer's GEMM: with ``device``, the one its calls on ``device`` run now, ``"cublaslt"``
+    (:func:`fp8_gemm_rowwise`) or ``"torch"`` (``torch._scaled_mm``; always on the CPU); without, the setting,
+    one of :data:`FP8_GEMMS`.
+
+    The setting comes from ``TRAINSTREAM_FP8_GEMM``, read once (at the first FP8 GEMM or the first call here), not per
+    GEMM: a change to the variable afterwards is seen only through :func:`set_fp8_gemm`. ``auto`` (the default, also
+    for an empty variable) takes cuBLASLt where this build has it and the device is sm_90, torch elsewhere.
+    """
+    if device is None:
+        return _C.fp8_gemm_setting(None, False)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _C.fp8_gemm_on(device)
+
+
+def set_fp8_gemm(choice: str | None) -> str:
+    """Changes the FP8 layer's GEMM setting at run time (tests, benchmarks); it applies from the next GEMM, process
+    wide.
+
+    Args:
+        choice: one of :data:`FP8_GEMMS`, or None to read ``TRAINSTREAM_FP8_GEMM`` again (e.g. after a script has
+            set ``os.environ``).
+
+    Returns:
+        The setting before the change, to give back to this function afterwards (None where it was never read and
+        the variable's value is unknown: giving None back reads the variable again).
+
+    Raises:
+        ValueError: an unknown choice, or an unknown value of the variable (the setting is then left as it was).
+    """
+    try:
+        before = _C.fp8_gemm_setting(None, False)
+    except ValueError:  # TRAINSTREAM_FP8_GEMM was never read, and is wrong: the choice may put that right
+        before = None
+    if choice is None:
+        _C.fp8_gemm_setting(None, True)
+    else:
+        _C.fp8_gemm_setting(choice, False)
+    return before
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,12 +38,23 @@
 //
 // w and w_scale are saved with save_for_backward, so saved-tensor hooks (the engine's weight pager, activation
 // checkpointing) see them as they see any saved tensor. No gradient for w, w_scale, w_t.
+//
+// The GEMM. On CUDA, scaled_mm_rowwise below runs torch._scaled_mm or this library's cuBLASLt call
+// (csrc/cuda/fp8_gemm.cu), as TRAINSTREAM_FP8_GEMM says: "auto" (the default), "cublaslt" or "torch". The variable is
+// read once, at the first GEMM, not per call (a getenv per GEMM is host time on every layer call);
+// fp8_gemm_setting() changes the setting at run time or reads the variable again (ops.set_fp8_gemm). "auto" takes
+// cuBLASLt where the build has it (ops.fp8_gemm_rowwise has a CUDA kernel) and the device is sm_90 (Hopper: where
+// its row-wise scaling was written and tested), torch._scaled_mm elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -54,6 +65,7 @@
 #include "../include/trainstream.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
 
@@ -168,20 +180,76 @@ at::Tensor unit_scales(int64_t k, const at::TensorOptions& options) {
   return it->second;
 }
 
+// The GEMM setting (see the top of this file). kUnread until the first GEMM or fp8_gemm_setting() reads
+// TRAINSTREAM_FP8_GEMM; one atomic load per GEMM after that.
+enum Gemm : int { kUnread = 0, kAuto = 1, kTorch = 2, kCublasLt = 3 };
+constexpr const char* kGemmNames[] = {"unread", "auto", "torch", "cublaslt"};
+std::atomic<int> gemm_setting{kUnread};
+
+Gemm parse_gemm(std::string text, const char* source) {
+  text.erase(std::remove_if(text.begin(), text.end(), [](unsigned char c) { return std::isspace(c); }), text.end());
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (text.empty() || text == "auto") return kAuto;
+  if (text == "torch") return kTorch;
+  if (text == "cublaslt") return kCublasLt;
+  TORCH_CHECK_VALUE(false, source, "='", text, "': expected auto, cublaslt or torch");
+}
+
+Gemm gemm_from_env() {
+  const char* choice = std::getenv("TRAINSTREAM_FP8_GEMM");
+  return choice == nullptr ? kAuto : parse_gemm(choice, "TRAINSTREAM_FP8_GEMM");
+}
+
+Gemm current_gemm() {
+  int g = gemm_setting.load(std::memory_order_relaxed);
+  if (g == kUnread) {
+    int expected = kUnread;
+    gemm_setting.compare_exchange_strong(expected, gemm_from_env());  // a concurrent set wins
+    g = gemm_setting.load();
+  }
+  return static_cast<Gemm>(g);
+}
+
+using GemmFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType);
+
+c10::OperatorHandle gemm_handle() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("trainstream::fp8_gemm_rowwise", "");
+  return op;
+}
+
+// Whether "auto" takes cuBLASLt on this CUDA device: the build has the GEMM (fp8_gemm.cu registers its kernel only
+// where cuBLAS has row-wise FP8 scaling) and the device is sm_90. Per device, decided once.
+bool auto_takes_cublaslt(c10::DeviceIndex index) {
+#ifdef TRAINSTREAM_WITH_CUDA
+  static std::array<std::atomic<int>, 64> known{};  // 0 unknown, 1 no, 2 yes
+  const size_t i = static_cast<size_t>(index);
+  if (i < known.size()) {
+    const int k = known[i].load(std::memory_order_relaxed);
+    if (k != 0) return k == 2;
+  }
+  const bool yes = gemm_handle().hasKernelForDispatchKey(c10::DispatchKey::CUDA) &&
+                   at::cuda::getDeviceProperties(index)->major == 9;
+  if (i < known.size()) known[i].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
+#else
+  (void)index;
+  return false;
+#endif
+}
+
+bool use_cublaslt(const at::Tensor& a) {
+  if (!a.is_cuda()) return false;
+  const Gemm g = current_gemm();
+  return g == kCublasLt || (g == kAuto && auto_takes_cublaslt(a.device().index()));
+}
+
 // a (M, K) x b (N, K)^T with row-wise scales sa (M, 1) and sb (N values), in out_dtype: torch._scaled_mm, or the
-// cuBLASLt call with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu) where TRAINSTREAM_FP8_GEMM=cublaslt
-// (opt-in until it is measured on the GPU).
+// cuBLASLt call with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu), as the GEMM setting says.
 at::Tensor scaled_mm_rowwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                              at::ScalarType out_dtype) {
-  if (a.is_cuda()) {
-    const char* choice = std::getenv("TRAINSTREAM_FP8_GEMM");
-    if (choice != nullptr && std::string(choice) == "cublaslt") {
-      static auto gemm = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("trainstream::fp8_gemm_rowwise", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, at::ScalarType)>();
-      return gemm.call(a, b, sa.reshape({-1}), sb.reshape({-1}), out_dtype);
-    }
+  if (use_cublaslt(a)) {
+    static auto gemm = gemm_handle().typed<GemmFn>();
+    return gemm.call(a, b, sa.reshape({-1}), sb.reshape({-1}), out_dtype);
   }
   return at::_scaled_mm(a, b.t(), sa, sb.view({1, -1}), std::nullopt, std::nullopt, out_dtype, false);
 }
@@ -196,6 +264,23 @@ void check_transposed(const at::Tensor& w_t, const at::Tensor& w, const char* op
 }
 
 }  // namespace
+
+std::string fp8_gemm_setting(const std::optional<std::string>& choice, bool from_env) {
+  TORCH_CHECK_VALUE(!(choice.has_value() && from_env), "fp8_gemm_setting: give a choice or from_env, not both");
+  if (from_env) {
+    gemm_setting.store(gemm_from_env());
+  } else if (choice.has_value()) {
+    gemm_setting.store(parse_gemm(*choice, "fp8 GEMM"));
+  }
+  return kGemmNames[current_gemm()];
+}
+
+std::string fp8_gemm_on(const at::Device& device) {
+  if (!device.is_cuda()) return "torch";
+  const Gemm g = current_gemm();
+  const bool lt = g == kCublasLt || (g == kAuto && auto_takes_cublaslt(device.has_index() ? device.index() : 0));
+  return lt ? "cublaslt" : "torch";
+}
 
 std::vector<int64_t> fp8_activation_cache(bool clear) {
   auto& cache = activation_cache();

@@ -1,5 +1,5 @@
 """The FP8 layer's speed work on CUDA (branch fp8-speed): QuantLinear's kept transposed FP8 codes (the backward takes
-them instead of transposing the weight per call).
+them instead of transposing the weight per call) and the GEMM setting (cuBLASLt by default on sm_90, read once).
 
 Exactness is tested as exactness: the kept copy gives the same bits as the per-call transpose.
 """
@@ -51,12 +51,25 @@ def _grad(layer, x, dy):
     return y, dx
 
 
+@pytest.fixture
+def gemm_setting():
+    """Gives the GEMM setting back as it was."""
+    before = ops.set_fp8_gemm(None)
+    ops.set_fp8_gemm(before)
+    yield
+    ops.set_fp8_gemm(before)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The kept transposed FP8 codes
 # ---------------------------------------------------------------------------------------------------------------
 
 @requires_fp8
-def test_transpose_cache_same_bits_and_no_transpose():
+@pytest.mark.parametrize("gemm", ["torch", "cublaslt"])
+def test_transpose_cache_same_bits_and_no_transpose(gemm, gemm_setting):
+    if gemm == "cublaslt" and not ops.has_kernel("fp8_gemm_rowwise", "cuda"):
+        pytest.skip("this build has no cuBLASLt GEMM")
+    ops.set_fp8_gemm(gemm)
     cached, plain = _layer(1024, 4096, 1), _layer(1024, 4096, 1, fp8_transpose_cache=False)
     x, dy = _tokens(512, 4096, 2).view(2, 256, 4096), _tokens(512, 1024, 3).view(2, 256, 1024)
     (y0, dx0), n = _transposes(lambda: _grad(plain, x, dy))
@@ -133,3 +146,22 @@ def test_transpose_cache_under_cuda_graph_capture():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GEMM setting
+# ---------------------------------------------------------------------------------------------------------------
+
+@requires_fp8
+def test_auto_takes_cublaslt_on_sm90_where_built(gemm_setting):
+    ops.set_fp8_gemm("auto")
+    built = ops.has_kernel("fp8_gemm_rowwise", "cuda")
+    want = "cublaslt" if built and torch.cuda.get_device_capability()[0] == 9 else "torch"
+    assert ops.fp8_gemm("cuda") == want
+    print(f"auto on {torch.cuda.get_device_name()}: {want} (cuBLASLt GEMM built: {built})")
+    layer = _layer(1024, 4096, 14)
+    x, dy = _tokens(256, 4096, 15), _tokens(256, 1024, 16)
+    y_auto, dx_auto = _grad(layer, x, dy)
+    ops.set_fp8_gemm(want)  # the explicit choice gives the same bits (the same GEMM, the same plan)
+    y, dx = _grad(layer, x, dy)
+    assert torch.equal(y, y_auto) and torch.equal(dx, dx_auto)
