@@ -49,9 +49,10 @@ TORCH_LIBRARY(trainstream, m) {
   m.def("transpose_bytes(Tensor x) -> Tensor");
   // The FP8 tensor-core linear layer (csrc/autograd/fp8_linear.cpp): y = e4m3(x) w^T with row-wise scales, in x's
   // dtype, x (..., K) quantized per row inside (or the kept quantization of this very x reused), differentiable in x
-  // (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone.
-  m.def("fp8_linear(Tensor x, Tensor w, Tensor w_scale, bool reuse=True) -> Tensor");
-  m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale) -> Tensor");
+  // (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone. w_t: w's codes transposed, (K, N)
+  // contiguous, kept by the caller; the backward takes it instead of transposing w on every call.
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor w_scale, bool reuse=True, Tensor? w_t=None) -> Tensor");
+  m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale, Tensor? w_t=None) -> Tensor");
   // a (M, K) x b (N, K)^T with row-wise float32 scales scale_a (M), scale_b (N), float8_e4m3fn operands, on cuBLASLt
   // with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu; CUDA builds only).
   m.def("fp8_gemm_rowwise(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor");
@@ -80,6 +81,12 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "trainstream_hf native runtime: host arena, shared host memory, staging pool (ops live in torch.ops.trainstream)";
   m.def("fp8_activation_cache", &trainstream::fp8_activation_cache, pybind11::arg("clear") = false,
         "The FP8 layer's kept activation quantization: [kept (0/1), hits, misses]; clear=True drops it first.");
+  m.def("fp8_gemm_setting", &trainstream::fp8_gemm_setting, pybind11::arg("choice") = pybind11::none(),
+        pybind11::arg("from_env") = false,
+        "The FP8 layer's GEMM setting (auto / cublaslt / torch): set it to choice, or read TRAINSTREAM_FP8_GEMM "
+        "again (from_env); returns the setting now.");
+  m.def("fp8_gemm_on", &trainstream::fp8_gemm_on, pybind11::arg("device"),
+        "The GEMM the FP8 layer runs on this device under the current setting: cublaslt or torch.");
   m.def("built_with_cuda", &trainstream::built_with_cuda,
         "True when the extension was compiled with CUDA support.");
   m.def("adamw_isa", &trainstream::adamw_isa,

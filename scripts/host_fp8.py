@@ -2,17 +2,19 @@
 
 python3 scripts/host_fp8.py [--cprofile]
 
-For the Llama-3-8B block (7 layers, 2048 bf16 tokens, forward + input gradients: bench quant's block_step), three
-rows: ``bf16`` (nn.Linear), ``fp8`` (QuantLinear W8A8 on torch._scaled_mm) and ``fp8_cublaslt`` (the same layers with
-TRAINSTREAM_FP8_GEMM=cublaslt: ops.fp8_gemm_rowwise, cuBLASLt's algorithm cached per shape); for each:
+For the Llama-3-8B block (7 layers, 2048 bf16 tokens, forward + input gradients: bench quant's block_step), four
+rows: ``bf16`` (nn.Linear), ``fp8`` (QuantLinear W8A8 on torch._scaled_mm), ``fp8_cublaslt`` (the same layers on
+ops.fp8_gemm_rowwise, cuBLASLt's algorithm cached per shape; the GEMM is switched with ops.set_fp8_gemm, since the FP8
+layer reads TRAINSTREAM_FP8_GEMM only once) and ``fp8_cublaslt_no_wt_cache`` (that, with the layers'
+fp8_transpose_cache off: the backward transposes each weight per call); for each:
 
 * ``wall``: median seconds of a synchronised step (what bench quant reports);
 * ``graph``: the same step captured once in a CUDA graph and replayed: its kernels alone, no host in the way -- the
   floor the eager step approaches when the host keeps ahead of the GPU;
 * ``enqueue``: host seconds per step while the GPU is kept busy (a step is host-bound when this exceeds ``graph``),
   split into the forward (graph recorded), the forward without autograd, and the raw native calls of the path
-  (fp8_linear forward, which quantizes inside, and fp8_linear_dgrad backward) with no Python layer or autograd around
-  them.
+  (fp8_linear forward, which quantizes inside, and fp8_linear_dgrad backward, with and without the transposed codes)
+  with no Python layer or autograd around them.
 
 ``--cprofile`` adds Python's profile of 50 eager FP8 steps (the host functions, C++ time charged to the builtins that
 call it). Prints one JSON object.
@@ -22,7 +24,6 @@ from __future__ import annotations
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -75,10 +76,13 @@ def main() -> None:
     xs, leaves, grads = block_inputs(linears, 2048, dev, 1)
     out = environment("python3 " + " ".join(["scripts/host_fp8.py"] + sys.argv[1:]))
     fp8 = [QuantLinear(quantize(w, "fp8"), act_quant=True) for w in ws]
-    # fp8_cublaslt: the same layers with their GEMMs on ops.fp8_gemm_rowwise (algorithm cached per shape)
-    rows = {"bf16": [_dense(w) for w in ws], "fp8": fp8, "fp8_cublaslt": fp8}
+    # fp8_cublaslt: the same layers with their GEMMs on ops.fp8_gemm_rowwise (algorithm cached per shape);
+    # fp8_cublaslt_no_wt_cache: and without the kept transposed codes (the backward transposes each weight per call)
+    rows = {"bf16": [_dense(w) for w in ws], "fp8": fp8, "fp8_cublaslt": fp8, "fp8_cublaslt_no_wt_cache": fp8}
     for name, layers in rows.items():
-        os.environ["TRAINSTREAM_FP8_GEMM"] = "cublaslt" if name == "fp8_cublaslt" else "torch"
+        ops.set_fp8_gemm("cublaslt" if name.startswith("fp8_cublaslt") else "torch")
+        for q in fp8:
+            q.fp8_transpose_cache = name != "fp8_cublaslt_no_wt_cache"
         step = block_step(layers, xs, leaves, grads)
 
         def forward(layers=layers):
@@ -92,7 +96,9 @@ def main() -> None:
              "enqueue_step_ms": 1e3 * enqueue_seconds(step, 5), "enqueue_forward_ms": 1e3 * enqueue_seconds(forward, 5),
              "enqueue_forward_no_grad_ms": 1e3 * enqueue_seconds(forward_no_grad, 5)}
         out[name] = r
-    os.environ["TRAINSTREAM_FP8_GEMM"] = "torch"
+    ops.set_fp8_gemm("torch")
+    for q in fp8:
+        q.fp8_transpose_cache = True
     # The native calls alone, the same 7 layers: forward = quantize x + fp8_linear, backward = fp8_linear_dgrad.
     qs = rows["fp8"]
     plain = [x.detach() for x in xs]
@@ -103,16 +109,21 @@ def main() -> None:
         def raw_backward():
             return [ops.fp8_linear_dgrad(g, q.weight_data, q.weight_scale) for q, g in zip(qs, grads)]
 
-        def raw_backward_cached_transpose(wts=[ops.transpose_bytes(q.weight_data) for q in qs],
-                                          ones=[torch.ones(1, q.in_features, device=dev) for q in qs]):
+        wts = [ops.transpose_bytes(q.weight_data) for q in qs]
+
+        def raw_backward_cached_transpose(wts=wts, ones=[torch.ones(1, q.in_features, device=dev) for q in qs]):
             outs = []
             for q, g, wt, one in zip(qs, grads, wts, ones):
                 gq, sg = ops.quantize_rows_e4m3(g, q.weight_scale)
                 outs.append(torch._scaled_mm(gq, wt.t(), scale_a=sg, scale_b=one, out_dtype=g.dtype))
             return outs
 
+        def raw_backward_w_t(wts=wts):  # the native dgrad given the kept transposed codes (QuantLinear's cache)
+            return [ops.fp8_linear_dgrad(g, q.weight_data, q.weight_scale, wt) for q, g, wt in zip(qs, grads, wts)]
+
         for name, fn in [("raw_forward", raw_forward), ("raw_backward", raw_backward),
-                         ("raw_backward_cached_transpose", raw_backward_cached_transpose)]:
+                         ("raw_backward_cached_transpose", raw_backward_cached_transpose),
+                         ("raw_backward_w_t", raw_backward_w_t)]:
             out[name] = {"enqueue_ms": 1e3 * enqueue_seconds(fn, 5), "graph_ms": 1e3 * graph_seconds(fn)}
         xq, sx = ops.quantize_rows_e4m3(plain[0])
         ops_host = {

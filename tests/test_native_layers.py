@@ -205,3 +205,58 @@ def test_fp8_gemm_rowwise_is_cuda_only_and_traceable():
     with pytest.raises(NotImplementedError, match="CPU"):
         ops.fp8_gemm_rowwise(torch.zeros(6, 32, dtype=torch.float8_e4m3fn),
                              torch.zeros(48, 32, dtype=torch.float8_e4m3fn), torch.ones(6), torch.ones(48))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 layer's GEMM setting (TRAINSTREAM_FP8_GEMM, read once; ops.set_fp8_gemm)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gemm_setting():
+    """Gives the GEMM setting back as it was."""
+    before = ops.set_fp8_gemm(None)
+    ops.set_fp8_gemm(before)
+    yield
+    ops.set_fp8_gemm(before)
+
+
+def test_fp8_gemm_setting_is_read_once_and_set_at_run_time(monkeypatch, gemm_setting):
+    monkeypatch.setenv("TRAINSTREAM_FP8_GEMM", " CUBLASLT ")
+    ops.set_fp8_gemm(None)  # read the variable again
+    assert ops.fp8_gemm() == "cublaslt"
+    monkeypatch.setenv("TRAINSTREAM_FP8_GEMM", "torch")
+    assert ops.fp8_gemm() == "cublaslt"  # not read per call
+    assert ops.set_fp8_gemm(None) == "cublaslt" and ops.fp8_gemm() == "torch"
+    monkeypatch.delenv("TRAINSTREAM_FP8_GEMM")
+    ops.set_fp8_gemm(None)
+    assert ops.fp8_gemm() == "auto"  # the default
+    assert ops.set_fp8_gemm("torch") == "auto" and ops.fp8_gemm() == "torch"
+    assert ops.fp8_gemm("cpu") == "torch"  # the CPU has torch._scaled_mm only
+    for choice in ops.FP8_GEMMS:
+        ops.set_fp8_gemm(choice)
+        assert ops.fp8_gemm() == choice and ops.fp8_gemm("cpu") == "torch"
+    if not ops.built_with_cuda():
+        ops.set_fp8_gemm("auto")
+        assert ops.fp8_gemm("cuda:0") == "torch"  # no cuBLASLt GEMM in a CPU build: auto takes torch
+
+
+def test_fp8_gemm_setting_refuses_unknown_values(monkeypatch, gemm_setting):
+    with pytest.raises(ValueError, match="expected auto, cublaslt or torch"):
+        ops.set_fp8_gemm("cutlass")
+    ops.set_fp8_gemm("torch")
+    monkeypatch.setenv("TRAINSTREAM_FP8_GEMM", "cublas")
+    with pytest.raises(ValueError, match="TRAINSTREAM_FP8_GEMM='cublas': expected auto, cublaslt or torch"):
+        ops.set_fp8_gemm(None)
+    assert ops.fp8_gemm() == "torch"  # left as it was
+
+
+def test_fp8_layer_runs_under_every_gemm_setting_on_the_cpu(rowwise_scaled_mm, gemm_setting):
+    """The CPU takes torch._scaled_mm whatever the setting: the same bits."""
+    layer = _layer(seed=5)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    outs = []
+    for choice in ops.FP8_GEMMS:
+        ops.set_fp8_gemm(choice)
+        y = layer(x)
+        outs.append((y, torch.autograd.grad(y.sum(), x)[0]))
+    assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs)

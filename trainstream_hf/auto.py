@@ -54,7 +54,8 @@ MODES = ("off", "on", "auto")
 # TRAINSTREAM_* variables that are not TrainStreamConfig options, and who reads them.
 NOT_OPTIONS = {"TRAINSTREAM_TRACE": "the engine (Chrome trace file)", "TRAINSTREAM_CUDA": "setup.py (build switch)",
                "TRAINSTREAM_CPU_ISA": "the native CPU kernels", "TRAINSTREAM_COMMIT": "the benchmarks",
-               "TRAINSTREAM_FP8_GEMM": "the native FP8 layer (cublaslt: its cached cuBLASLt GEMM)"}
+               "TRAINSTREAM_FP8_GEMM": "the native FP8 layer's GEMM, read once (auto, cublaslt or torch; "
+                                       "ops.set_fp8_gemm changes it at run time)"}
 TRAINER_MODULE = "transformers.trainer"
 PTH_NAME = "trainstream_hf_autostart.pth"
 STUB_NAME = "trainstream_hf_autostart.py"

@@ -577,7 +577,8 @@ def transpose_bytes_reference(x: torch.Tensor) -> torch.Tensor:
 # fp8_linear (the FP8 tensor-core layer with its autograd node in C++, trainstream_hf/quant/matmul.py)
 # --------------------------------------------------------------------------------------------
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: bool = True) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: bool = True,
+               w_t: torch.Tensor | None = None) -> torch.Tensor:
     """``y = torch._scaled_mm(e4m3(x) per row, w.t(), scale_a=s_x, scale_b=w_scale (1, N), out_dtype=x.dtype)`` as
     (..., N), differentiable in ``x``: the backward is :func:`fp8_linear_dgrad` of the output gradient, computed in
     C++ (no Python, no GIL, on the autograd thread). ``w`` and ``w_scale`` are saved for it with ``save_for_backward``
@@ -592,16 +593,20 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
     Args:
         x: (..., K) bfloat16 / float16, the layer's input.
         w: (N, K) float8_e4m3fn codes; w_scale: float32 (N,) per-output-channel scale.
+        reuse: keep / reuse the activation quantization as above.
+        w_t: optional ``w`` transposed, (K, N) float8_e4m3fn (:func:`transpose_bytes` of ``w``), which the caller keeps
+            in step with ``w``: the backward takes it instead of transposing ``w`` on every call (same bits). It is
+            held by the autograd node, not saved with ``save_for_backward`` (saved-tensor hooks do not see it).
     """
-    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse)
+    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse, w_t)
 
 
 def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``(a @ b.T) * scale_a[:, None] * scale_b[None, :]`` in ``out_dtype``: what ``torch._scaled_mm(a, b.t(),
     scale_a (M, 1), scale_b (1, N))`` computes, on cuBLASLt with its algorithm chosen once per shape instead of on
-    every call (CUDA builds, sm_90 and cuBLAS 12.9+; csrc/cuda/fp8_gemm.cu). The FP8 layer uses it where
-    ``TRAINSTREAM_FP8_GEMM=cublaslt``.
+    every call (CUDA builds, sm_90 and cuBLAS 12.9+; csrc/cuda/fp8_gemm.cu). The FP8 layer uses it by default on
+    sm_90 where the build has it (:func:`fp8_gemm`, :func:`set_fp8_gemm`).
 
     Args:
         a: (M, K) float8_e4m3fn; b: (N, K) float8_e4m3fn (row-major, as a linear layer's weight).
@@ -630,24 +635,80 @@ def fp8_forget_activation() -> None:
     _C.fp8_activation_cache(True)
 
 
-def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_dgrad(dy: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     w_t: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 layer's input gradient: ``g = dy * w_scale`` quantized per row to E4M3 (:func:`quantize_rows_e4m3`),
-    times the column-major codes (:func:`transpose_bytes`) on the tensor cores with scale_b ones; (T, K) in dy's
-    dtype."""
-    return torch.ops.trainstream.fp8_linear_dgrad.default(dy, w, w_scale)
+    times the column-major codes on the tensor cores with scale_b ones; (T, K) in dy's dtype. The column-major codes
+    are ``w_t`` where given ((K, N) float8_e4m3fn, ``w`` transposed), else :func:`transpose_bytes` of ``w``, made for
+    this call; the same bytes either way, so the same bits."""
+    return torch.ops.trainstream.fp8_linear_dgrad.default(dy, w, w_scale, w_t)
+
+
+def _check_transposed_fake(op, w, w_t):
+    if w_t is not None:
+        torch._check(w_t.dim() == 2 and w_t.shape[0] == w.shape[1] and w_t.shape[1] == w.shape[0],
+                     lambda: f"{op}: w_t must be w transposed, (K, N)")
 
 
 @torch.library.register_fake("trainstream::fp8_linear")
-def _fp8_linear_fake(x, w, w_scale, reuse=True):
+def _fp8_linear_fake(x, w, w_scale, reuse=True, w_t=None):
     torch._check(x.dim() >= 1 and w.dim() == 2 and x.shape[-1] == w.shape[1], lambda: "fp8_linear: x must be (..., K)")
+    _check_transposed_fake("fp8_linear", w, w_t)
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @torch.library.register_fake("trainstream::fp8_linear_dgrad")
-def _fp8_linear_dgrad_fake(dy, w, w_scale):
+def _fp8_linear_dgrad_fake(dy, w, w_scale, w_t=None):
     torch._check(dy.dim() == 2 and w.dim() == 2 and dy.shape[1] == w.shape[0],
                  lambda: "fp8_linear_dgrad: dy must be (T, N)")
+    _check_transposed_fake("fp8_linear_dgrad", w, w_t)
     return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+FP8_GEMMS = ("auto", "cublaslt", "torch")
+
+
+def fp8_gemm(device: torch.device | str | None = None) -> str:
+    """The FP8 layer's GEMM: with ``device``, the one its calls on ``device`` run now, ``"cublaslt"``
+    (:func:`fp8_gemm_rowwise`) or ``"torch"`` (``torch._scaled_mm``; always on the CPU); without, the setting,
+    one of :data:`FP8_GEMMS`.
+
+    The setting comes from ``TRAINSTREAM_FP8_GEMM``, read once (at the first FP8 GEMM or the first call here), not per
+    GEMM: a change to the variable afterwards is seen only through :func:`set_fp8_gemm`. ``auto`` (the default, also
+    for an empty variable) takes cuBLASLt where this build has it and the device is sm_90, torch elsewhere.
+    """
+    if device is None:
+        return _C.fp8_gemm_setting(None, False)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _C.fp8_gemm_on(device)
+
+
+def set_fp8_gemm(choice: str | None) -> str:
+    """Changes the FP8 layer's GEMM setting at run time (tests, benchmarks); it applies from the next GEMM, process
+    wide.
+
+    Args:
+        choice: one of :data:`FP8_GEMMS`, or None to read ``TRAINSTREAM_FP8_GEMM`` again (e.g. after a script has
+            set ``os.environ``).
+
+    Returns:
+        The setting before the change, to give back to this function afterwards (None where it was never read and
+        the variable's value is unknown: giving None back reads the variable again).
+
+    Raises:
+        ValueError: an unknown choice, or an unknown value of the variable (the setting is then left as it was).
+    """
+    try:
+        before = _C.fp8_gemm_setting(None, False)
+    except ValueError:  # TRAINSTREAM_FP8_GEMM was never read, and is wrong: the choice may put that right
+        before = None
+    if choice is None:
+        _C.fp8_gemm_setting(None, True)
+    else:
+        _C.fp8_gemm_setting(choice, False)
+    return before
 
 
 # --------------------------------------------------------------------------------------------

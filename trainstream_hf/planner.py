@@ -59,6 +59,7 @@ class BlockPlan:
     activations: str = "device"   # "device", "host" (offloaded) or "recompute" (checkpointed)
     input_bytes: int = 0          # what a checkpointed block keeps: its input
     can_recompute: bool = False
+    kept_bytes: int = 0           # held beside resident weights, none when paged (QuantLinear's transposed FP8 codes)
 
     def pcie_bytes(self) -> int:
         """Bytes this block moves per step over PCIe because of its placement (not counting optimizer)."""
@@ -149,7 +150,7 @@ class Plan:
         Weights, slots and device optimizer state are held throughout; on top, the largest of the moments of
         :meth:`_moments`.
         """
-        resident_w = sum(b.weight_bytes for b in self.blocks if b.weights == "device")
+        resident_w = sum(b.weight_bytes + b.kept_bytes for b in self.blocks if b.weights == "device")
         paged = [b.weight_bytes for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
         return self.fixed_bytes + resident_w + slot_bytes + max(self._moments())
@@ -423,6 +424,12 @@ def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tu
     return None if m is None else m.activation_bytes
 
 
+def _kept_bytes(block: nn.Module, device: torch.device) -> int:
+    """Device bytes the block's layers keep beside their parameters while its weights are resident: QuantLinear's
+    transposed FP8 codes (trainstream_hf/quant/linear.py), 1 byte per weight element of its FP8 tensor-core layers."""
+    return sum(m.fp8_transpose_cache_bytes(device) for m in block.modules() if hasattr(m, "fp8_transpose_cache_bytes"))
+
+
 def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -519,7 +526,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         params = list(b.parameters())
         block_plans.append(BlockPlan(i, _numel_bytes(params), sum(p.numel() for p in params if p.requires_grad),
                                      per_block_act, input_bytes=int(input_bytes),
-                                     can_recompute=_can_recompute(b)))
+                                     can_recompute=_can_recompute(b), kept_bytes=_kept_bytes(b, device)))
     # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
     logits = tokens * vocab * (act_dtype_bytes + 4 + 4) if head_bytes is None else int(head_bytes)
     nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)

@@ -8,11 +8,20 @@
 // from Python does the reshape, the quantization (or its reuse), the GEMM and the view, and the backward never takes
 // the GIL.
 //
-//   fp8_linear(x, w, w_scale, reuse) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1), scale_b = w_scale
-//       (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn codes, w_scale (N,)
-//       float32. reuse: keep this quantization of x for the next call on the same x (below).
-//   fp8_linear_dgrad(dy, w, w_scale) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a = s_g,
-//       scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
+//   fp8_linear(x, w, w_scale, reuse, w_t) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1), scale_b =
+//       w_scale (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn codes, w_scale
+//       (N,) float32. reuse: keep this quantization of x for the next call on the same x (below). w_t: optional, w's
+//       codes transposed, (K, N) contiguous, handed to the backward (below); the forward does not read it.
+//   fp8_linear_dgrad(dy, w, w_scale, w_t) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a =
+//       s_g, scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
+//
+// The transposed weight. Hopper's FP8 GEMMs take both operands K-major, so the backward's (N, K) operand must be
+// column-major: a (K, N) row-major copy of w. Without w_t the backward makes one per call (transpose_bytes: N*K bytes
+// read and written, 7 calls and ~8% of a Llama-3-8B block's FP8 step on the H100). With w_t it takes that copy as it
+// is, the same bytes, so dx is the same bits. The caller owns the copy and keeps it in step with w (QuantLinear keeps
+// one per layer, trainstream_hf/quant/linear.py); it is held by the autograd node in saved_data, not saved with
+// save_for_backward, so saved-tensor hooks never see it: it is a layer's weight, not an activation, and the engine's
+// activation offloader would otherwise copy it to the host and back every step.
 //
 // Reuse of one quantized activation. Llama's q / k / v projections read one hidden state, gate / up another:
 // quantizing it once instead of three (two) times saves 3 of the 7 per-token quantizations of a block's forward. The
@@ -28,22 +37,35 @@
 // finds its tensor dead, or at fp8_forget_activation(); the reused result is the same bits as a fresh one.
 //
 // w and w_scale are saved with save_for_backward, so saved-tensor hooks (the engine's weight pager, activation
-// checkpointing) see them as they see any saved tensor. No gradient for w, w_scale.
+// checkpointing) see them as they see any saved tensor. No gradient for w, w_scale, w_t.
+//
+// The GEMM. On CUDA, scaled_mm_rowwise below runs torch._scaled_mm or this library's cuBLASLt call
+// (csrc/cuda/fp8_gemm.cu), as TRAINSTREAM_FP8_GEMM says: "auto" (the default), "cublaslt" or "torch". The variable is
+// read once, at the first GEMM, not per call (a getenv per GEMM is host time on every layer call);
+// fp8_gemm_setting() changes the setting at run time or reads the variable again (ops.set_fp8_gemm). "auto" takes
+// cuBLASLt where the build has it (ops.fp8_gemm_rowwise has a CUDA kernel) and the device is sm_90 (Hopper: where
+// its row-wise scaling was written and tested), torch._scaled_mm elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../include/trainstream.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
 
@@ -158,25 +180,107 @@ at::Tensor unit_scales(int64_t k, const at::TensorOptions& options) {
   return it->second;
 }
 
+// The GEMM setting (see the top of this file). kUnread until the first GEMM or fp8_gemm_setting() reads
+// TRAINSTREAM_FP8_GEMM; one atomic load per GEMM after that.
+enum Gemm : int { kUnread = 0, kAuto = 1, kTorch = 2, kCublasLt = 3 };
+constexpr const char* kGemmNames[] = {"unread", "auto", "torch", "cublaslt"};
+std::atomic<int> gemm_setting{kUnread};
+
+Gemm parse_gemm(std::string text, const char* source) {
+  text.erase(std::remove_if(text.begin(), text.end(), [](unsigned char c) { return std::isspace(c); }), text.end());
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (text.empty() || text == "auto") return kAuto;
+  if (text == "torch") return kTorch;
+  if (text == "cublaslt") return kCublasLt;
+  TORCH_CHECK_VALUE(false, source, "='", text, "': expected auto, cublaslt or torch");
+}
+
+Gemm gemm_from_env() {
+  const char* choice = std::getenv("TRAINSTREAM_FP8_GEMM");
+  return choice == nullptr ? kAuto : parse_gemm(choice, "TRAINSTREAM_FP8_GEMM");
+}
+
+Gemm current_gemm() {
+  int g = gemm_setting.load(std::memory_order_relaxed);
+  if (g == kUnread) {
+    int expected = kUnread;
+    gemm_setting.compare_exchange_strong(expected, gemm_from_env());  // a concurrent set wins
+    g = gemm_setting.load();
+  }
+  return static_cast<Gemm>(g);
+}
+
+using GemmFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType);
+
+c10::OperatorHandle gemm_handle() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("trainstream::fp8_gemm_rowwise", "");
+  return op;
+}
+
+// Whether "auto" takes cuBLASLt on this CUDA device: the build has the GEMM (fp8_gemm.cu registers its kernel only
+// where cuBLAS has row-wise FP8 scaling) and the device is sm_90. Per device, decided once.
+bool auto_takes_cublaslt(c10::DeviceIndex index) {
+#ifdef TRAINSTREAM_WITH_CUDA
+  static std::array<std::atomic<int>, 64> known{};  // 0 unknown, 1 no, 2 yes
+  const size_t i = static_cast<size_t>(index);
+  if (i < known.size()) {
+    const int k = known[i].load(std::memory_order_relaxed);
+    if (k != 0) return k == 2;
+  }
+  const bool yes = gemm_handle().hasKernelForDispatchKey(c10::DispatchKey::CUDA) &&
+                   at::cuda::getDeviceProperties(index)->major == 9;
+  if (i < known.size()) known[i].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
+#else
+  (void)index;
+  return false;
+#endif
+}
+
+bool use_cublaslt(const at::Tensor& a) {
+  if (!a.is_cuda()) return false;
+  const Gemm g = current_gemm();
+  return g == kCublasLt || (g == kAuto && auto_takes_cublaslt(a.device().index()));
+}
+
 // a (M, K) x b (N, K)^T with row-wise scales sa (M, 1) and sb (N values), in out_dtype: torch._scaled_mm, or the
-// cuBLASLt call with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu) where TRAINSTREAM_FP8_GEMM=cublaslt
-// (opt-in until it is measured on the GPU).
+// cuBLASLt call with its algorithm cached per shape (csrc/cuda/fp8_gemm.cu), as the GEMM setting says.
 at::Tensor scaled_mm_rowwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                              at::ScalarType out_dtype) {
-  if (a.is_cuda()) {
-    const char* choice = std::getenv("TRAINSTREAM_FP8_GEMM");
-    if (choice != nullptr && std::string(choice) == "cublaslt") {
-      static auto gemm = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("trainstream::fp8_gemm_rowwise", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, at::ScalarType)>();
-      return gemm.call(a, b, sa.reshape({-1}), sb.reshape({-1}), out_dtype);
-    }
+  if (use_cublaslt(a)) {
+    static auto gemm = gemm_handle().typed<GemmFn>();
+    return gemm.call(a, b, sa.reshape({-1}), sb.reshape({-1}), out_dtype);
   }
   return at::_scaled_mm(a, b.t(), sa, sb.view({1, -1}), std::nullopt, std::nullopt, out_dtype, false);
 }
 
+void check_transposed(const at::Tensor& w_t, const at::Tensor& w, const char* op) {
+  TORCH_CHECK_TYPE(w_t.scalar_type() == at::kFloat8_e4m3fn, op, ": w_t must be float8_e4m3fn, got ",
+                   w_t.scalar_type());
+  TORCH_CHECK_VALUE(w_t.dim() == 2 && w_t.size(0) == w.size(1) && w_t.size(1) == w.size(0), op,
+                    ": w_t must be w transposed, (", w.size(1), ", ", w.size(0), "), got shape ", w_t.sizes());
+  TORCH_CHECK_VALUE(w_t.device() == w.device(), op, ": w_t must be on w's device (", w.device(), "), got ",
+                    w_t.device());
+}
+
 }  // namespace
+
+std::string fp8_gemm_setting(const std::optional<std::string>& choice, bool from_env) {
+  TORCH_CHECK_VALUE(!(choice.has_value() && from_env), "fp8_gemm_setting: give a choice or from_env, not both");
+  if (from_env) {
+    gemm_setting.store(gemm_from_env());
+  } else if (choice.has_value()) {
+    gemm_setting.store(parse_gemm(*choice, "fp8 GEMM"));
+  }
+  return kGemmNames[current_gemm()];
+}
+
+std::string fp8_gemm_on(const at::Device& device) {
+  if (!device.is_cuda()) return "torch";
+  const Gemm g = current_gemm();
+  const bool lt = g == kCublasLt || (g == kAuto && auto_takes_cublaslt(device.has_index() ? device.index() : 0));
+  return lt ? "cublaslt" : "torch";
+}
 
 std::vector<int64_t> fp8_activation_cache(bool clear) {
   auto& cache = activation_cache();
@@ -185,8 +289,10 @@ std::vector<int64_t> fp8_activation_cache(bool clear) {
   return {cache.kept.has_value() ? 1 : 0, cache.hits, cache.misses};
 }
 
-at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse) {
+at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
+                              const std::optional<at::Tensor>& w_t) {
   check_operands(w, w_scale, "fp8_linear");
+  if (w_t.has_value() && w_t->defined()) check_transposed(*w_t, w, "fp8_linear");  // now, not in the backward
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(1), "fp8_linear: x must be (..., ", w.size(1), "), got ",
                     x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
@@ -199,18 +305,21 @@ at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at
   return y.view(sizes);
 }
 
-at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& w_scale) {
+at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& w_scale,
+                            const std::optional<at::Tensor>& w_t) {
   check_operands(w, w_scale, "fp8_linear_dgrad");
   TORCH_CHECK_VALUE(dy.dim() == 2 && dy.size(1) == w.size(0), "fp8_linear_dgrad: dy must be (tokens, ", w.size(0),
                     "), got ", dy.sizes());
+  const bool given = w_t.has_value() && w_t->defined();
+  if (given) check_transposed(*w_t, w, "fp8_linear_dgrad");
   static auto transpose = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("trainstream::transpose_bytes", "")
                               .typed<at::Tensor(const at::Tensor&)>();
   auto [gq, sg] = quantize_op().call(dy, std::optional<at::Tensor>(w_scale.reshape({-1})));  // dy * s_w, per row
-  // The (N, K) operand column-major = a row-major (K, N) copy viewed back.
-  const at::Tensor w_t = transpose.call(w);
+  // The (N, K) operand column-major = a row-major (K, N) copy viewed back: the caller's, or one made now.
+  const at::Tensor wt = given ? aligned(*w_t) : transpose.call(w);
   const at::Tensor ones = unit_scales(w.size(1), dy.options().dtype(at::kFloat));
-  return scaled_mm_rowwise(gq, w_t, sg, ones, dy.scalar_type());
+  return scaled_mm_rowwise(gq, wt, sg, ones, dy.scalar_type());
 }
 
 namespace {
@@ -218,11 +327,13 @@ namespace {
 class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& w_scale, bool reuse) {
+                            const at::Tensor& w_scale, bool reuse, const std::optional<at::Tensor>& w_t) {
     at::AutoDispatchBelowADInplaceOrView guard;  // below autograd: the reshape and the view are no nodes of their own
     ctx->save_for_backward({w, w_scale});
     ctx->saved_data["sizes"] = x.sizes().vec();
-    return fp8_linear_forward(x, w, w_scale, reuse);
+    // Not through save_for_backward: the caller's weight copy, not an activation (see the top of this file).
+    if (w_t.has_value() && w_t->defined()) ctx->saved_data["w_t"] = *w_t;
+    return fp8_linear_forward(x, w, w_scale, reuse, w_t);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -232,15 +343,19 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     at::Tensor dx;
     if (ctx->needs_input_grad(0) && grads[0].defined()) {
       const at::Tensor& w = saved[0];
-      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1])
+      const auto kept = ctx->saved_data.find("w_t");
+      const std::optional<at::Tensor> w_t =
+          kept == ctx->saved_data.end() ? std::nullopt : std::optional<at::Tensor>(kept->second.toTensor());
+      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1], w_t)
                .view(ctx->saved_data["sizes"].toIntVector());
     }
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse) {
-  return Fp8LinearFunction::apply(x, w, w_scale, reuse);
+at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
+                               const std::optional<at::Tensor>& w_t) {
+  return Fp8LinearFunction::apply(x, w, w_scale, reuse, w_t);
 }
 
 }  // namespace

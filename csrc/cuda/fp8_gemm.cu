@@ -15,7 +15,7 @@
 // transposed: the "TN" layout FP8 needs on Hopper. A's outer scale vector runs along op(A)'s rows (scale_b), B's
 // along op(B)'s columns (scale_a).
 //
-// Opt-in until measured on the GPU: csrc/autograd/fp8_linear.cpp calls it when TRAINSTREAM_FP8_GEMM=cublaslt.
+// The FP8 layer's default GEMM on sm_90 where this is built (TRAINSTREAM_FP8_GEMM=auto; csrc/autograd/fp8_linear.cpp).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -203,6 +203,11 @@ at::Tensor fp8_gemm_rowwise_cuda(const at::Tensor& a, const at::Tensor& b, const
 
 }  // namespace trainstream
 
+// Registered only where cuBLAS has row-wise FP8 scaling: the FP8 layer's "auto" GEMM setting takes this GEMM where a
+// CUDA kernel for it exists (csrc/autograd/fp8_linear.cpp), and must not pick one that can only raise.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
 TORCH_LIBRARY_IMPL(trainstream, CUDA, m) {
   m.impl("fp8_gemm_rowwise", &trainstream::fp8_gemm_rowwise_cuda);
 }
+#endif
+

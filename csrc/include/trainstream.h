@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -49,6 +50,11 @@ void init_staging(pybind11::module_& m);
 // The FP8 layer's kept activation quantization: [1 if one is kept else 0, hits, misses] (counted since load over
 // the calls with reuse=true; a miss is a quantization made); clear drops the kept one first.
 std::vector<int64_t> fp8_activation_cache(bool clear);
+// The FP8 layer's GEMM setting, "auto", "cublaslt" or "torch" (TRAINSTREAM_FP8_GEMM, read at the first GEMM): set to
+// choice, or read from the environment again (from_env), or only returned (neither).
+std::string fp8_gemm_setting(const std::optional<std::string>& choice, bool from_env);
+// The GEMM the FP8 layer runs on device under the current setting: "cublaslt" or "torch".
+std::string fp8_gemm_on(const at::Device& device);
 
 // True when this build was compiled with CUDA support (TRAINSTREAM_WITH_CUDA).
 bool built_with_cuda();

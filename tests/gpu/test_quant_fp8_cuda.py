@@ -462,18 +462,28 @@ def test_fp8_gemm_rowwise_matches_scaled_mm(m, n, k, out_dtype):
         assert _rel(got, want) <= TOL[out_dtype]
 
 
+@pytest.fixture
+def gemm_setting():
+    """Gives the FP8 layer's GEMM setting (ops.set_fp8_gemm) back as it was."""
+    before = ops.set_fp8_gemm(None)
+    ops.set_fp8_gemm(before)
+    yield
+    ops.set_fp8_gemm(before)
+
+
 @requires_fp8
-def test_fp8_layer_on_the_cached_gemm_matches_torch(monkeypatch):
-    """TRAINSTREAM_FP8_GEMM=cublaslt sends the FP8 layer's two GEMMs to ops.fp8_gemm_rowwise: outputs and input
-    gradients as with torch._scaled_mm (within a rounding), no host sync, and its host time per layer call printed
-    beside torch's."""
+def test_fp8_layer_on_the_cached_gemm_matches_torch(gemm_setting):
+    """The setting cublaslt sends the FP8 layer's two GEMMs to ops.fp8_gemm_rowwise: outputs and input gradients as
+    with torch._scaled_mm (within a rounding), no host sync, and its host time per layer call printed beside
+    torch's."""
     _needs_rowwise_cublaslt()
     layer = QuantLinear(_fp8_weight(1024, 4096, 61))
     x = _tokens(2048, 4096, 62, torch.bfloat16).requires_grad_()
     dy = _tokens(2048, 1024, 63, torch.bfloat16)
     results, host = {}, {}
     for choice in ("torch", "cublaslt"):
-        monkeypatch.setenv("TRAINSTREAM_FP8_GEMM", choice)
+        ops.set_fp8_gemm(choice)
+        assert ops.fp8_gemm("cuda") == choice
         matmul.forget_activation()
         y = layer(x)
         (dx,) = torch.autograd.grad(y, x, dy)

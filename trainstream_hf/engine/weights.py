@@ -26,6 +26,10 @@ node of block ``j > i`` (AccumulateGrad included) was created after every node o
 On the device, the copy into a slot waits for all work queued so far on the compute stream
 (``TransferStreams.to_device(out=..., after=None)``), which includes every kernel reading the old occupant.
 
+Every paged parameter carries the attribute :data:`PAGED_ATTR` (True) while the pager holds it: its storage is a
+transient slot, so code that would keep something derived from a weight on the device (QuantLinear's transposed FP8
+codes, trainstream_hf/quant/linear.py) keeps nothing for it.
+
 Trainable paged parameters get their ``.grad`` on the device as usual (AccumulateGrad runs while the
 block is resident). Their values live on the host: an optimizer writes updated weights into
 :meth:`WeightPager.host_tensor`, and blocks with trainable parameters are copied again at the next step
@@ -44,7 +48,10 @@ from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener, is_dense
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
-__all__ = ["WeightPager"]
+__all__ = ["WeightPager", "PAGED_ATTR"]
+
+# The attribute set True on each parameter while a WeightPager pages it (removed at unwrap).
+PAGED_ATTR = "_trainstream_paged"
 
 # Offset alignment of each parameter in a slot: keeps every parameter at least as aligned as a fresh
 # device allocation would be (kernels may pick paths by alignment, and bit-exactness must not depend on it).
@@ -211,9 +218,11 @@ class WeightPager(BlockListener):
             # sits in (pageable) host RAM needs one block of headroom, not a second copy of the model.
             for p in blk.params:
                 p.data = self._placeholder(p)
+                setattr(p, PAGED_ATTR, True)
         for blk in unfilled:
             for p in blk.params:
                 p.data = self._placeholder(p)
+                setattr(p, PAGED_ATTR, True)
         if skipped:
             warnings.warn(f"WeightPager: {len(skipped)} parameters are shared beyond their block and stay on "
                           f"the device: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
@@ -293,6 +302,7 @@ class WeightPager(BlockListener):
                 out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
                 out.copy_(h)
                 p.data = out
+                _unmark(p)
             # Release the host copy and the cached slot views (they would keep the slots alive).
             b.host, b.host_flat, b.views = [], None, {}
         self._host_of = {}
@@ -419,10 +429,16 @@ class WeightPager(BlockListener):
             for p, h, dev in zip(blk.params, blk.host, self._origin.get(i, [])):
                 if p.data.shape != h.shape:  # a placeholder (not one still holding its original: kept)
                     p.data = h.to(dev, copy=True)
+                _unmark(p)
         self._blocks.clear()
 
     def _placeholder(self, p: nn.Parameter) -> torch.Tensor:
         return torch.empty(0, dtype=p.dtype, device=self.device)
+
+
+def _unmark(p: nn.Parameter) -> None:
+    if getattr(p, PAGED_ATTR, False):
+        delattr(p, PAGED_ATTR)
 
 
 class _Kept:

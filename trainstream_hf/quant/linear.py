@@ -1,10 +1,13 @@
 """``QuantLinear``: a frozen linear layer whose weight is held packed in int8, NF4, FP8 or NVFP4."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from trainstream_hf import ops
+from trainstream_hf.engine.weights import PAGED_ATTR
 from trainstream_hf.quant import matmul, outliers as _outliers
 from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize, get_format, quantize
 
@@ -102,6 +105,21 @@ class QuantLinear(nn.Module):
     to E4M3 and multiplies it with the FP8 codes (:mod:`trainstream_hf.quant.matmul`); no gradient for the weight;
     the bias is frozen unless its ``requires_grad`` is set, then it gets the usual ``sum(dy)``.
 
+    FP8 transpose cache (``fp8_transpose_cache``, on by default): the FP8 tensor-core backward needs the codes
+    transposed, (K, N) (Hopper's FP8 GEMMs take both operands K-major), and would otherwise transpose them on every
+    backward call. The layer keeps that copy instead, as TransformerEngine does on Hopper: made at the first call
+    that needs a backward (grad enabled, ``x.requires_grad``, a call the tensor-core path runs; not while a CUDA
+    graph is being captured or under ``torch.compile``), and made again when ``weight_data`` is not the tensor it was
+    made from: another storage (a weak reference to it, so a freed storage never matches), data pointer, shape,
+    strides, or ``_version`` (every in-place write through the parameter, e.g. ``load_state_dict``, bumps it). Writes
+    that bypass the version counter are not seen, as autograd does not see them (through ``weight_data.data``, from
+    outside torch): call :meth:`clear_fp8_transpose_cache` after them. Same bytes as the per-call transpose, so the
+    same bits. Memory: +1 byte per weight element on the weight's device (the packed FP8 weight's size again) for as
+    long as the layer lives; ``fp8_transpose_cache=False`` (or setting the attribute) trades it back for one
+    transpose per backward call. Paged weights (the engine's weight pager marks them) get no copy: their storage is a
+    device slot that other blocks reuse, so a copy would have to be rebuilt at every visit and would hold device
+    memory outside the pager's budget. The outlier route (``outliers > 0``) transposes per call too.
+
     Under ``torch.autocast`` (CPU or CUDA) ``x`` is cast to the autocast dtype first and the layer runs with autocast
     off inside, as ``torch.amp.custom_fwd(cast_inputs=...)`` does (which cannot be used here: it fixes one device
     type at decoration time); ``y`` is in the autocast dtype, as ``nn.Linear``'s would be.
@@ -119,10 +137,12 @@ class QuantLinear(nn.Module):
             runs (fp8 on sm_89+) and False elsewhere (nvfp4 today: its emulation is float32 matmuls). ``act_quant``
             reads back the value for the weight's current device.
         outliers: fraction of input channels kept out of the activation quantization, in [0, 0.5].
+        fp8_transpose_cache: keep the FP8 codes transposed for the tensor-core backward (see above); the attribute of
+            that name switches it later (False also frees the copy at the next call).
     """
 
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None, *, act_quant: bool | None = None,
-                 outliers: float = 0.0) -> None:
+                 outliers: float = 0.0, fp8_transpose_cache: bool = True) -> None:
         super().__init__()
         if not isinstance(weight, QuantizedTensor):
             raise TypeError(f"QuantLinear: weight must be a QuantizedTensor (trainstream_hf.quant.quantize), got "
@@ -136,6 +156,9 @@ class QuantLinear(nn.Module):
         self._packed_names = tuple(_PREFIX + n for n in self.fmt.tensor_names)
         # (device, act_quant) -> the path select_path picks: it depends on nothing else, and forward runs per call.
         self._paths: dict[tuple[torch.device, bool | None], matmul.MatmulPath] = {}
+        self.fp8_transpose_cache = bool(fp8_transpose_cache)
+        # (weak reference to weight_data's storage, (data_ptr, shape, stride, _version), the (K, N) codes) or None
+        self._fp8_wt: tuple[weakref.ref, tuple, torch.Tensor] | None = None
         for name in self.fmt.tensor_names:
             self.register_parameter(_PREFIX + name, nn.Parameter(weight.tensors[name], requires_grad=False))
         if bias is not None:
@@ -236,7 +259,8 @@ class QuantLinear(nn.Module):
             # Python in the backward. The outlier split and empty inputs take the Python Function below.
             shape = (self.out_features, self.in_features)
             q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
-            y = path.layer(x, q)
+            w_t = self._fp8_transposed(packed[0], x, path, q) if path is matmul.FP8_W8A8_SCALED_MM else None
+            y = path.layer(x, q) if w_t is None else path.layer(x, q, w_t)
         if y is None:
             y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features),
                                            self.weight_dtype, k, *packed)
@@ -244,6 +268,65 @@ class QuantLinear(nn.Module):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y
+
+    def _fp8_transposed(self, w: torch.Tensor, x: torch.Tensor, path: matmul.MatmulPath,
+                        q: QuantizedTensor) -> torch.Tensor | None:
+        """The kept (K, N) copy of the FP8 codes ``w`` for this call's backward (made or made again here), or None
+        where the backward should transpose per call (the class docstring's FP8 transpose cache)."""
+        if not self.fp8_transpose_cache or getattr(w, PAGED_ATTR, False):
+            self._fp8_wt = None  # switched off, or paged since the copy was made: it goes
+            return None
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return None  # no backward from this call (the copy stays for the next that has one)
+        if torch.compiler.is_compiling() or w.is_inference():
+            return None
+        if not matmul.takes_transposed_weight(path, x.dtype, q):
+            return None
+        storage = w.untyped_storage()  # the same Python object while the storage lives (torch keeps it)
+        key = (w.data_ptr(), w.shape, w.stride(), w._version)
+        kept = self._fp8_wt
+        if kept is not None and kept[0]() is storage and kept[1] == key:
+            return kept[2]
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a copy made now would live in the graph's pool and be written only by its replays
+        self._fp8_wt = None  # the stale copy goes before the new one is made
+        w_t = ops.transpose_bytes(w)
+        self._fp8_wt = (weakref.ref(storage), key, w_t)
+        return w_t
+
+    def fp8_transpose_cache_bytes(self, device: torch.device | str | None = None) -> int:
+        """Device bytes the FP8 transpose cache holds on ``device`` (default: the weight's) once the layer has run a
+        backward there: ``out_features * in_features`` where the cache is on and the layer takes the FP8 tensor-core
+        path there (fp8 with ``act_quant`` on sm_89+, both dimensions multiples of 16), else 0. Paged weights hold
+        none; the planner counts it for resident blocks."""
+        if self.fmt.name != "fp8" or not self.fp8_transpose_cache:
+            return 0
+        device = torch.device(device) if device is not None else self.weight_data.device
+        if self._path_on(device) is not matmul.FP8_W8A8_SCALED_MM:
+            return 0
+        if self.out_features % 16 or self.in_features % 16:
+            return 0
+        return self.out_features * self.in_features
+
+    def clear_fp8_transpose_cache(self) -> None:
+        """Drops the kept transposed FP8 codes (made again at the next call that needs them). Needed only after a
+        write to the weight that its version counter does not see (through ``weight_data.data``, from outside
+        torch)."""
+        self._fp8_wt = None
+
+    def __getstate__(self):
+        # Derived state that copies and pickles of the layer make again: the kept copy (it holds a weak reference,
+        # which pickle refuses), and the selected paths (module constants compared by identity, which a deep copy
+        # would duplicate).
+        state = super().__getstate__()
+        state["_fp8_wt"] = None
+        state["_paths"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("fp8_transpose_cache", True)  # a layer pickled before the cache existed
+        self.__dict__.setdefault("_fp8_wt", None)
 
     def _path_on(self, device: torch.device) -> matmul.MatmulPath:
         """The path for ``device`` and the current ``act_quant``, selected once and then looked up."""
@@ -278,7 +361,9 @@ class QuantLinear(nn.Module):
         # nn.Module.to(dtype) / .half() / .float() reach every floating tensor through _apply (torch 2.13); the packed
         # float8 codes and float32 scales must keep their dtype and bits. Probe what fn does to a float tensor
         # without copying anything; if it casts, move the packed tensors only, and take the new dtype as the
-        # weight's logical dtype.
+        # weight's logical dtype. The kept transposed FP8 codes go: they would keep the old device's memory alive until
+        # the next call (a move changes the storage, so they would not be used again).
+        self._fp8_wt = None
         ref = self.weight_data
         probes = [fn(torch.empty(0, dtype=dt, device=ref.device)) for dt in (torch.float32, torch.float16)]
         cast = next((p.dtype for p, dt in zip(probes, (torch.float32, torch.float16)) if p.dtype != dt), None)
@@ -297,5 +382,6 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         default = " (device default)" if self._act_quant is None else ""
+        cache = f", fp8_transpose_cache={self.fp8_transpose_cache}" if self.fmt.name == "fp8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fmt={self.fmt.name}, act_quant={self.act_quant}{default}, outliers={self.outliers}")
+                f"fmt={self.fmt.name}, act_quant={self.act_quant}{default}, outliers={self.outliers}{cache}")

@@ -30,13 +30,15 @@ Paths:
     straight-through gradient ``dy W_hat`` with ``dy`` rounded to E4M3 per token (relative error per element up to
     2^-4, about 2.5% in norm for Gaussian gradients, measured; a bf16 ``dx`` is within 2^-9).
   - Layout: ``_scaled_mm`` wants its second operand column-major. ``W_q^T`` of the row-major (N, K) codes is that, for
-    free. For the backward the (N, K) operand must be column-major, which is the memory of a row-major (K, N)
-    tensor: a transposed copy of ``W_q``, built per backward call (N*K bytes read and written by one bandwidth-bound
-    transpose; estimated from the H200's bandwidth and FP8 rate at 10-20% of the backward GEMM's time at T = 2048,
-    less at larger T; ``measure_fp8_path`` in tests/gpu/test_quant_fp8_cuda.py prints the measured split) and freed
-    right after. Caching it on the layer would double the FP8 weight's memory for good (and the engine pages the
-    packed weight, so the copy would have to be paged too); memory is what this package exists to save, so the
-    transpose is paid in time.
+    free. For the backward the (N, K) operand must be column-major (Hopper's FP8 GEMMs take both operands K-major),
+    which is the memory of a row-major (K, N) tensor: a transposed copy of ``W_q`` (N*K bytes read and written by
+    one bandwidth-bound transpose: 7 calls, 0.169 ms of kernel time in a 2.08 ms Llama-3-8B block step of 2048
+    tokens, H100, profiled at 78943ec). :class:`~trainstream_hf.quant.linear.QuantLinear` keeps that copy per layer,
+    built at the first call that needs a backward and rebuilt when the weight's storage or version changes, as
+    TransformerEngine keeps a transposed FP8 weight on Hopper; it costs 1 byte per weight element on the device for
+    as long as the layer lives (``fp8_transpose_cache=False`` turns it off, and paged weights never get one: their
+    storage is a transient slot). Without the copy the backward transposes per call and frees the copy right after.
+    Same bytes either way, so the same bits.
   - Falls back, per call and with the same maths (``fp8_w8a8_emulated`` forward; ``dequant`` backward), where
     ``_scaled_mm`` cannot run or would not pay: float32 activations / gradients (float32 output of the row-wise
     kernels depends on the torch / cuBLAS version, and a float32 model wants float32 numerics), or ``K`` or ``N`` not a
@@ -74,7 +76,7 @@ from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantiz
 
 __all__ = ["MatmulPath", "select_path", "default_act_quant", "ACT_QUANT_FORMATS", "TENSOR_CORE_CAPABILITY",
            "quantize_rows_e4m3", "quantize_activation", "forget_activation", "quantize_nvfp4_activations",
-           "e2m1_decode"]
+           "e2m1_decode", "takes_transposed_weight"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class MatmulPath:
     backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
     # Optional: (x (..., K), q) -> y (..., N) in x.dtype with its own autograd node (forward and backward as above,
     # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off.
+    # The FP8 one also takes (x, q, w_t): the codes transposed, kept by the caller (takes_transposed_weight).
     layer: Callable[..., torch.Tensor | None] | None = None
 
 
@@ -332,15 +335,23 @@ def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tenso
     return ops.fp8_linear_dgrad(dy, q.tensors["data"], q.tensors["scale"])
 
 
-def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor | None:
+def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor | None = None
+                         ) -> torch.Tensor | None:
     """The whole layer through :func:`trainstream_hf.ops.fp8_linear` (x quantized per row inside, or the kept
     quantization of this very x reused; its autograd node in C++: the backward runs no Python), or None where
     ``_scaled_mm`` cannot run this call (the caller falls back to the path's forward / backward). Same maths and bits
-    as :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward`."""
+    as :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward`. ``w_t``: the codes transposed, (K, N), kept
+    by the caller (:func:`takes_transposed_weight`); the backward then does not transpose them."""
     if not _scaled_mm_ok(x.dtype, q):
         return None
     t = q.tensors
-    return ops.fp8_linear(x, t["data"], t["scale"])
+    return ops.fp8_linear(x, t["data"], t["scale"], True, w_t)
+
+
+def takes_transposed_weight(path: MatmulPath, dtype: torch.dtype, q: QuantizedTensor) -> bool:
+    """Whether ``path.layer`` runs the FP8 tensor-core backward for inputs of ``dtype`` and so can take a kept
+    transposed copy of ``q``'s codes as ``w_t`` (``fp8_w8a8_scaled_mm`` where ``_scaled_mm`` runs the call)."""
+    return path is FP8_W8A8_SCALED_MM and _scaled_mm_ok(dtype, q)
 
 
 DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward, _dequant_layer)
