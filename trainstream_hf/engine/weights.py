@@ -47,11 +47,9 @@ from torch import nn
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener, is_dense
 from trainstream_hf.engine.streams import Transfer, TransferStreams
+from trainstream_hf.quant.linear import PAGED_ATTR  # the attribute set True on each paged parameter (unwrap removes it)
 
 __all__ = ["WeightPager", "PAGED_ATTR"]
-
-# The attribute set True on each parameter while a WeightPager pages it (removed at unwrap).
-PAGED_ATTR = "_trainstream_paged"
 
 # Offset alignment of each parameter in a slot: keeps every parameter at least as aligned as a fresh
 # device allocation would be (kernels may pick paths by alignment, and bit-exactness must not depend on it).

@@ -7,11 +7,14 @@ import torch
 from torch import nn
 
 from trainstream_hf import ops
-from trainstream_hf.engine.weights import PAGED_ATTR
 from trainstream_hf.quant import matmul, outliers as _outliers
 from trainstream_hf.quant.formats import QuantFormat, QuantizedTensor, dequantize, get_format, quantize
 
-__all__ = ["QuantLinear", "linear_weight"]
+__all__ = ["QuantLinear", "linear_weight", "PAGED_ATTR"]
+
+# Set (True) on a parameter while the engine's weight pager holds it (engine/weights.py): its storage is then a
+# transient device slot. Defined here, below the engine, so that QuantLinear can read it without importing the engine.
+PAGED_ATTR = "_trainstream_paged"
 
 _PREFIX = "weight_"  # packed tensors are registered as weight_data, weight_scale, ...
 
