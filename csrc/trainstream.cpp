@@ -87,6 +87,28 @@ PYBIND11_MODULE(_C, m) {
         "again (from_env); returns the setting now.");
   m.def("fp8_gemm_on", &trainstream::fp8_gemm_on, pybind11::arg("device"),
         "The GEMM the FP8 layer runs on this device under the current setting: cublaslt or torch.");
+  m.def(
+      "fp8_gemm_plans",
+      [](bool clear) {
+        pybind11::list rows;
+        for (const auto& p : trainstream::fp8_gemm_plans(clear)) {
+          pybind11::dict row;
+          row["device"] = p.device;
+          row["m"] = p.m;
+          row["n"] = p.n;
+          row["k"] = p.k;
+          row["out_dtype"] = std::string(c10::toString(static_cast<at::ScalarType>(p.out_dtype)));
+          row["candidates"] = p.candidates;
+          row["chosen"] = p.chosen;
+          row["tuned"] = p.tuned;
+          row["ms_chosen"] = p.ms_chosen;
+          row["ms_first"] = p.ms_first;
+          rows.append(row);
+        }
+        return rows;
+      },
+      pybind11::arg("clear") = false,
+      "The cuBLASLt FP8 GEMM's cached plans, one dict per shape; clear=True forgets them after reading.");
   m.def("built_with_cuda", &trainstream::built_with_cuda,
         "True when the extension was compiled with CUDA support.");
   m.def("adamw_isa", &trainstream::adamw_isa,

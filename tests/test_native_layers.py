@@ -260,3 +260,12 @@ def test_fp8_layer_runs_under_every_gemm_setting_on_the_cpu(rowwise_scaled_mm, g
         y = layer(x)
         outs.append((y, torch.autograd.grad(y.sum(), x)[0]))
     assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs)
+
+
+def test_fp8_gemm_plans_empty_without_the_cublaslt_gemm():
+    """The cuBLASLt GEMM's plan table (tests/gpu/test_fp8_speed_cuda.py fills and prints it): rows only where the
+    build has the GEMM, none in a CPU build."""
+    plans = ops.fp8_gemm_plans()
+    assert isinstance(plans, list)
+    if not ops.built_with_cuda():
+        assert plans == [] and ops.fp8_gemm_plans(clear=True) == []

@@ -55,7 +55,8 @@ MODES = ("off", "on", "auto")
 NOT_OPTIONS = {"TRAINSTREAM_TRACE": "the engine (Chrome trace file)", "TRAINSTREAM_CUDA": "setup.py (build switch)",
                "TRAINSTREAM_CPU_ISA": "the native CPU kernels", "TRAINSTREAM_COMMIT": "the benchmarks",
                "TRAINSTREAM_FP8_GEMM": "the native FP8 layer's GEMM, read once (auto, cublaslt or torch; "
-                                       "ops.set_fp8_gemm changes it at run time)"}
+                                       "ops.set_fp8_gemm changes it at run time)",
+               "TRAINSTREAM_FP8_GEMM_TUNE": "the cuBLASLt FP8 GEMM (0: the heuristic's first algorithm, untimed)"}
 TRAINER_MODULE = "transformers.trainer"
 PTH_NAME = "trainstream_hf_autostart.pth"
 STUB_NAME = "trainstream_hf_autostart.py"

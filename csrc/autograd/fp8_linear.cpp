@@ -282,6 +282,17 @@ std::string fp8_gemm_on(const at::Device& device) {
   return lt ? "cublaslt" : "torch";
 }
 
+namespace {
+std::atomic<Fp8GemmPlansSource> plans_source{nullptr};  // constant-initialised: set from another file's static init
+}  // namespace
+
+void set_fp8_gemm_plans_source(Fp8GemmPlansSource source) { plans_source.store(source); }
+
+std::vector<Fp8GemmPlanInfo> fp8_gemm_plans(bool clear) {
+  const Fp8GemmPlansSource source = plans_source.load();
+  return source == nullptr ? std::vector<Fp8GemmPlanInfo>() : source(clear);
+}
+
 std::vector<int64_t> fp8_activation_cache(bool clear) {
   auto& cache = activation_cache();
   std::lock_guard<std::mutex> lock(cache.mu);

@@ -16,17 +16,44 @@
 // along op(B)'s columns (scale_a).
 //
 // The FP8 layer's default GEMM on sm_90 where this is built (TRAINSTREAM_FP8_GEMM=auto; csrc/autograd/fp8_linear.cpp).
+//
+// Algorithm choice, once per key (device, M, N, K, output dtype, alignments): the heuristic is asked for up to
+// kCandidates algorithms, and outside CUDA graph capture each is timed on the current stream (one warm-up run, then
+// kReps back-to-back runs between two CUDA events, on the call's own operands and output), the fastest kept; ties go
+// to the heuristic's order. The heuristic ranks by a model of the kernels, not by running them, and its first
+// choice is not always the fastest for these skinny-K or wide-N shapes; timing them once costs one host sync and
+// kCandidates * (kReps + 1) GEMMs at the first use of each shape (the ~10 shapes of a Llama block's step). Predicted
+// effect, not measured: at most a few percent of the FP8 GEMMs' time, and none where the heuristic's first choice is
+// already the fastest; fp8_gemm_plans() reports per shape what was chosen and the two times, to measure it.
+//
+// Deterministic per process: the first call for a key fixes its algorithm, and every later call (eager, or captured
+// into a graph) runs that one, so one shape always gives the same bits in a process. Different processes may time
+// differently and pick another algorithm (another summation order, results within a rounding);
+// TRAINSTREAM_FP8_GEMM_TUNE=0 keeps the heuristic's first choice everywhere (reproducible across processes). While
+// the current stream is being captured into a CUDA graph nothing is timed (a sync would break the capture, and the
+// timing runs would be recorded into the graph): the heuristic's first choice is used and kept for the key, so the
+// graph and later eager calls agree. Timing is not done under another thread's global-mode capture either; nothing
+// here can see that, as with any library that syncs (cudnn.benchmark).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
+#include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
+#include <string>
+#include <tuple>
 #include <unordered_map>
+#include <vector>
+
+#include "../include/trainstream.h"
 
 namespace trainstream {
 namespace {
@@ -85,6 +112,11 @@ struct KeyHash {
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   size_t workspace;
+  int candidates = 1;      // algorithms the heuristic returned
+  int chosen = 0;          // index of the kept one in the heuristic's order
+  bool tuned = false;      // chosen by timing (false: the heuristic's first, as under capture or with tuning off)
+  float ms_chosen = -1.f;  // per GEMM, from the timing (-1: not timed)
+  float ms_first = -1.f;
 };
 
 // RAII for the per-call descriptors (cheap to make; the algorithm search is what is cached).
@@ -100,6 +132,71 @@ struct Descriptors {
 };
 
 constexpr size_t kMaxWorkspace = 32u << 20;
+constexpr int kCandidates = 8;
+constexpr int kReps = 3;
+
+std::mutex plans_mu;
+std::unordered_map<Key, Plan, KeyHash>* plans = new std::unordered_map<Key, Plan, KeyHash>();  // leaked on purpose
+
+// TRAINSTREAM_FP8_GEMM_TUNE=0 (or false / off): keep the heuristic's first choice. Read once.
+bool tuning_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("TRAINSTREAM_FP8_GEMM_TUNE");
+    if (v == nullptr) return true;
+    std::string t(v);
+    std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
+    return !(t == "0" || t == "false" || t == "off");
+  }();
+  return on;
+}
+
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;  // active, or invalidated (still inside a capture)
+}
+
+// Milliseconds per GEMM of one algorithm (one warm-up run, then kReps timed), or a negative value where it fails
+// to run. Writes the call's own output (the real product follows).
+float time_algo(cublasLtHandle_t handle, const Descriptors& d, const cublasLtMatmulAlgo_t& algo, size_t workspace,
+                void* ws, const void* a_ptr, const void* b_ptr, void* out_ptr, cudaStream_t stream) {
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run = [&] {
+    return cublasLtMatmul(handle, d.op, &alpha, a_ptr, d.a, b_ptr, d.b, &beta, b_ptr, d.c, out_ptr, d.c, &algo,
+                          workspace ? ws : nullptr, workspace, stream);
+  };
+  if (run() != CUBLAS_STATUS_SUCCESS) return -1.f;
+  cudaEvent_t start = nullptr, end = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&end));
+  C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  bool ok = true;
+  for (int r = 0; r < kReps && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+  C10_CUDA_CHECK(cudaEventRecord(end, stream));
+  C10_CUDA_CHECK(cudaEventSynchronize(end));
+  float ms = 0.f;
+  C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(end));
+  return ok ? ms / kReps : -1.f;
+}
+
+std::vector<Fp8GemmPlanInfo> plans_report(bool clear) {
+  std::lock_guard<std::mutex> lock(plans_mu);
+  std::vector<Fp8GemmPlanInfo> rows;
+  for (const auto& [key, plan] : *plans) {
+    rows.push_back(Fp8GemmPlanInfo{key.v[0], key.v[1], key.v[2], key.v[3], key.v[4], plan.candidates, plan.chosen,
+                                   plan.tuned, plan.ms_chosen, plan.ms_first});
+  }
+  std::sort(rows.begin(), rows.end(), [](const Fp8GemmPlanInfo& x, const Fp8GemmPlanInfo& y) {
+    return std::tie(x.device, x.m, x.n, x.k, x.out_dtype) < std::tie(y.device, y.m, y.n, y.k, y.out_dtype);
+  });
+  if (clear) plans->clear();
+  return rows;
+}
+
+// Hands plans_report to fp8_gemm_plans() (csrc/autograd/fp8_linear.cpp, built in every build) at load time.
+const bool reporter_registered = (set_fp8_gemm_plans_source(&plans_report), true);
 
 }  // namespace
 
@@ -151,18 +248,17 @@ at::Tensor fp8_gemm_rowwise_cuda(const at::Tensor& a, const at::Tensor& b, const
   const cublasLtHandle_t handle = handle_for(device);
   const Key key{{device, m, n, k, static_cast<int64_t>(out_dtype), alignment(bc.data_ptr()), alignment(ac.data_ptr()),
                  alignment(out.data_ptr()), fast_accum}};
-  static std::mutex mu;
-  static auto* plans = new std::unordered_map<Key, Plan, KeyHash>();
   Plan plan{};
   bool found = false;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::mutex> lock(plans_mu);
     auto it = plans->find(key);
     if (it != plans->end()) {
       plan = it->second;
       found = true;
     }
   }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   if (!found) {
     cublasLtMatmulPreference_t pref = nullptr;
     TS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -174,17 +270,39 @@ at::Tensor fp8_gemm_rowwise_cuda(const at::Tensor& a, const at::Tensor& b, const
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c));
-    cublasLtMatmulHeuristicResult_t result = {};
+    std::array<cublasLtMatmulHeuristicResult_t, kCandidates> results{};
     int returned = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, pref, 1, &result, &returned);
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, pref, kCandidates,
+                                                                 results.data(), &returned);
     cublasLtMatmulPreferenceDestroy(pref);
     TS_CUBLAS_CHECK(status);
     TORCH_CHECK(returned > 0, "fp8_gemm_rowwise: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
                 " (row-wise FP8 scaling needs sm_90 and cuBLAS 12.9+)");
-    plan = Plan{result.algo, result.workspaceSize};
-    std::lock_guard<std::mutex> lock(mu);
-    plans->emplace(key, plan);
+    plan = Plan{results[0].algo, results[0].workspaceSize, returned};
+    if (returned > 1 && tuning_on() && !stream_capturing(stream)) {
+      size_t most = 0;
+      for (int i = 0; i < returned; ++i) most = std::max(most, results[i].workspaceSize);
+      const at::Tensor ws =
+          most ? at::empty({static_cast<int64_t>(most)}, a.options().dtype(at::kByte)) : at::Tensor();
+      float best = -1.f;
+      for (int i = 0; i < returned; ++i) {
+        if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        const float ms = time_algo(handle, d, results[i].algo, results[i].workspaceSize,
+                                   ws.defined() ? ws.data_ptr() : nullptr, bc.data_ptr(), ac.data_ptr(),
+                                   out.data_ptr(), stream);
+        if (i == 0) plan.ms_first = ms;
+        if (ms >= 0.f && (best < 0.f || ms < best)) {  // strictly faster: ties keep the heuristic's order
+          best = ms;
+          plan.algo = results[i].algo;
+          plan.workspace = results[i].workspaceSize;
+          plan.chosen = i;
+        }
+      }
+      plan.tuned = best >= 0.f;
+      plan.ms_chosen = best;
+    }
+    std::lock_guard<std::mutex> lock(plans_mu);
+    plan = plans->emplace(key, plan).first->second;  // a concurrent first call's plan wins: one per key
   }
   const at::Tensor workspace =
       plan.workspace ? at::empty({static_cast<int64_t>(plan.workspace)}, a.options().dtype(at::kByte)) : at::Tensor();
@@ -192,8 +310,7 @@ at::Tensor fp8_gemm_rowwise_cuda(const at::Tensor& a, const at::Tensor& b, const
   // C is unused (beta = 0) but must be a valid pointer other than D's (as torch's scaled_gemm passes mat1).
   TS_CUBLAS_CHECK(cublasLtMatmul(handle, d.op, &alpha, bc.data_ptr(), d.a, ac.data_ptr(), d.b, &beta, ac.data_ptr(),
                                  d.c, out.data_ptr(), d.c, &plan.algo,
-                                 workspace.defined() ? workspace.data_ptr() : nullptr, plan.workspace,
-                                 c10::cuda::getCurrentCUDAStream(device).stream()));
+                                 workspace.defined() ? workspace.data_ptr() : nullptr, plan.workspace, stream));
   return out;
 #else
   (void)a; (void)b; (void)scale_a; (void)scale_b; (void)out_dtype;
@@ -210,4 +327,3 @@ TORCH_LIBRARY_IMPL(trainstream, CUDA, m) {
   m.impl("fp8_gemm_rowwise", &trainstream::fp8_gemm_rowwise_cuda);
 }
 #endif
-

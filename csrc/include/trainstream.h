@@ -56,6 +56,19 @@ std::string fp8_gemm_setting(const std::optional<std::string>& choice, bool from
 // The GEMM the FP8 layer runs on device under the current setting: "cublaslt" or "torch".
 std::string fp8_gemm_on(const at::Device& device);
 
+// One cached plan of the cuBLASLt GEMM (csrc/cuda/fp8_gemm.cu): its key and how its algorithm was chosen.
+struct Fp8GemmPlanInfo {
+  int64_t device, m, n, k, out_dtype;  // out_dtype: an at::ScalarType
+  int64_t candidates, chosen;          // algorithms the heuristic returned; the kept one's index in its order
+  bool tuned;                          // chosen by timing (else the heuristic's first choice)
+  double ms_chosen, ms_first;          // per GEMM where timed, else -1
+};
+using Fp8GemmPlansSource = std::vector<Fp8GemmPlanInfo> (*)(bool clear);
+// fp8_gemm.cu, where it is built, hands over the reader of its plan table at load time; fp8_gemm_plans() returns
+// its rows (clear: and forgets them, so that the next call of each shape chooses again), or none.
+void set_fp8_gemm_plans_source(Fp8GemmPlansSource source);
+std::vector<Fp8GemmPlanInfo> fp8_gemm_plans(bool clear);
+
 // True when this build was compiled with CUDA support (TRAINSTREAM_WITH_CUDA).
 bool built_with_cuda();
 

@@ -1,7 +1,10 @@
 """The FP8 layer's speed work on CUDA (branch fp8-speed): QuantLinear's kept transposed FP8 codes (the backward takes
-them instead of transposing the weight per call) and the GEMM setting (cuBLASLt by default on sm_90, read once).
+them instead of transposing the weight per call), the GEMM setting (cuBLASLt by default on sm_90, read once), and the
+cuBLASLt GEMM's algorithm timed once per shape (csrc/cuda/fp8_gemm.cu).
 
-Exactness is tested as exactness: the kept copy gives the same bits as the per-call transpose.
+Exactness is tested as exactness: the kept copy gives the same bits as the per-call transpose; a shape's algorithm is
+fixed for the process, so repeated calls, and a CUDA graph's replay against eager calls, give the same bits.
+``pytest -s`` prints the plans the GEMM chose (algorithm index, candidates, the kept and the heuristic's first time).
 """
 import pytest
 import torch
@@ -165,3 +168,92 @@ def test_auto_takes_cublaslt_on_sm90_where_built(gemm_setting):
     ops.set_fp8_gemm(want)  # the explicit choice gives the same bits (the same GEMM, the same plan)
     y, dx = _grad(layer, x, dy)
     assert torch.equal(y, y_auto) and torch.equal(dx, dx_auto)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cuBLASLt GEMM's algorithm, timed once per shape
+# ---------------------------------------------------------------------------------------------------------------
+
+def _operands(m, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn)
+    return a, b, torch.rand(m, device="cuda", generator=g) + 0.5, torch.rand(n, device="cuda", generator=g) + 0.5
+
+
+def _plan(m, n, k, dtype="BFloat16"):
+    rows = [p for p in ops.fp8_gemm_plans() if (p["m"], p["n"], p["k"], p["out_dtype"]) == (m, n, k, dtype)]
+    assert len(rows) == 1, rows  # one alignment class per shape here (fresh allocations)
+    return rows[0]
+
+
+def _needs_cublaslt():
+    if not ops.has_kernel("fp8_gemm_rowwise", "cuda"):
+        pytest.skip("this build has no cuBLASLt GEMM")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("row-wise FP8 cuBLASLt is used on sm_90")
+
+
+@requires_fp8
+@pytest.mark.parametrize("m, n, k", [(2048, 4096, 4096), (2048, 1024, 4096), (2048, 14336, 4096),
+                                     (2048, 4096, 14336), (2048, 4096, 1024)])
+def test_gemm_tuned_once_per_shape_and_deterministic(m, n, k):
+    """The first call times the heuristic's candidates and keeps the fastest (printed); every later call gives the
+    same bits; the result is torch._scaled_mm's within a rounding."""
+    _needs_cublaslt()
+    a, b, sa, sb = _operands(m, n, k, m + n + k)
+    first = ops.fp8_gemm_rowwise(a, b, sa, sb, torch.bfloat16)
+    plan = _plan(m, n, k)
+    print(f"fp8_gemm_rowwise {m}x{n}x{k}: {plan}")
+    assert 1 <= plan["candidates"] <= 8 and 0 <= plan["chosen"] < plan["candidates"]
+    if plan["tuned"]:
+        assert 0 <= plan["ms_chosen"] <= plan["ms_first"] or plan["ms_first"] < 0
+    for _ in range(3):
+        assert torch.equal(ops.fp8_gemm_rowwise(a, b, sa, sb, torch.bfloat16), first)
+    assert _plan(m, n, k) == plan  # not chosen again
+    want = torch._scaled_mm(a, b.t(), scale_a=sa.view(-1, 1), scale_b=sb.view(1, -1), out_dtype=torch.bfloat16)
+    rel = float((first.double() - want.double()).abs().max() / want.double().abs().max())
+    assert rel <= 2 ** -7 + 1e-4
+
+
+@requires_fp8
+def test_gemm_first_called_inside_a_capture_keeps_the_heuristic_choice():
+    """A shape first seen while a graph is being captured is not timed (no sync in a capture): the heuristic's first
+    algorithm is kept, and eager calls after the capture use it too, so the replay and eager calls agree bit for
+    bit."""
+    _needs_cublaslt()
+    m, n, k = 1536, 2048, 3072  # a shape no other test uses
+    a, b, sa, sb = _operands(m, n, k, 17)
+    ops.fp8_gemm_rowwise(a[:16], b, sa[:16], sb, torch.bfloat16)  # warm-up of the handle on another shape
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.fp8_gemm_rowwise(a, b, sa, sb, torch.bfloat16)
+    plan = _plan(m, n, k)
+    assert not plan["tuned"] and plan["chosen"] == 0
+    g.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    assert torch.equal(ops.fp8_gemm_rowwise(a, b, sa, sb, torch.bfloat16), replayed)
+    assert _plan(m, n, k) == plan
+
+
+@requires_fp8
+def test_block_step_plans_are_printed(gemm_setting):
+    """The Llama-3-8B block's 7 layers, forward + input gradients (bench quant's block_step), on the default GEMM:
+    the plans chosen for its shapes, printed for the record (pytest -s)."""
+    _needs_cublaslt()
+    from trainstream_hf.bench.quant import block_inputs, block_linears, block_step, block_weights
+
+    ops.set_fp8_gemm("auto")
+    dev = torch.device("cuda")
+    linears = block_linears("llama3-8b")
+    layers = [QuantLinear(quantize(w, "fp8"), act_quant=True) for w in block_weights(linears, dev, 0)]
+    xs, leaves, grads = block_inputs(linears, 2048, dev, 1)
+    step = block_step(layers, xs, leaves, grads)
+    first = step()
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(step(), first))
+    for p in ops.fp8_gemm_plans():
+        if p["m"] == 2048:
+            print(p)
+    assert all(layer._fp8_wt is not None for layer in layers)

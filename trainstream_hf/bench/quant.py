@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from trainstream_hf import ops
 from trainstream_hf.bench.common import markdown_table, median_time
 from trainstream_hf.bench.harness import default_device, free_memory, measure_training, not_run
 from trainstream_hf.bench.models import model_config
@@ -201,6 +202,9 @@ def quant_row(key: str, linears, tokens, device, warmup, repeats, seed=0) -> dic
             del w
         fields["path"] = layers[0].matmul_path(device).name
         fields["weight_bytes"] = sum(layer.weight.nbytes for layer in layers)
+        if fields["path"] == "fp8_w8a8_scaled_mm":  # which FP8 GEMM ran, and the device bytes of the kept transposes
+            fields["fp8_gemm"] = ops.fp8_gemm(device)
+            fields["fp8_transpose_cache_bytes"] = sum(layer.fp8_transpose_cache_bytes(device) for layer in layers)
         return layers
 
     return _measure(key, name, make, linears=linears, tokens=tokens, device=device, warmup=warmup,
