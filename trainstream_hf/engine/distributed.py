@@ -96,7 +96,7 @@ def settle_collectives_at_exit() -> None:
     an active exception". Seen in 2 of ~76 zero-code runs of two gloo processes (tests/integrations/test_auto.py):
     gdb on the core showed gloo's ``runLoop`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
     ``pthread_exit`` while the main thread was in ``Py_FinalizeEx``'s garbage collection; pytorch/pytorch PR 179291
-    describes the same race. A thread waiting for the GIL at exit gets it during this sleep and finishes first. It
+    describes the same race, and the same script without trainstream aborts the same way (2 of 6 runs under pytest). A thread waiting for the GIL at exit gets it during this sleep and finishes first. It
     narrows the window rather than closing it (a worker descheduled for longer still races, as in any torch
     program): torch owns the fix.
     """
