@@ -69,3 +69,13 @@ def rowwise_scaled_mm():
         torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
     except RuntimeError:
         pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (row-wise from 2.13)")
+
+
+@pytest.fixture
+def gemm_setting():
+    """Gives the FP8 layer's GEMM setting (ops.set_fp8_gemm) back as it was after the test."""
+    from trainstream_hf import ops
+    before = ops.set_fp8_gemm(None)
+    ops.set_fp8_gemm(before)
+    yield
+    ops.set_fp8_gemm(before)

@@ -15,8 +15,6 @@ from trainstream_hf import ops
 from trainstream_hf.quant import QuantLinear, matmul, quantize
 
 
-
-
 def _layer(n=32, k=64, seed=0, bias=False):
     torch.manual_seed(seed)
     w = torch.randn(n, k, dtype=torch.bfloat16)
@@ -210,14 +208,6 @@ def test_fp8_gemm_rowwise_is_cuda_only_and_traceable():
 # ---------------------------------------------------------------------------------------------------------------
 # The FP8 layer's GEMM setting (TRAINSTREAM_FP8_GEMM, read once; ops.set_fp8_gemm)
 # ---------------------------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def gemm_setting():
-    """Gives the GEMM setting back as it was."""
-    before = ops.set_fp8_gemm(None)
-    ops.set_fp8_gemm(before)
-    yield
-    ops.set_fp8_gemm(before)
 
 
 def test_fp8_gemm_setting_is_read_once_and_set_at_run_time(monkeypatch, gemm_setting):

@@ -54,15 +54,6 @@ def _grad(layer, x, dy):
     return y, dx
 
 
-@pytest.fixture
-def gemm_setting():
-    """Gives the GEMM setting back as it was."""
-    before = ops.set_fp8_gemm(None)
-    ops.set_fp8_gemm(before)
-    yield
-    ops.set_fp8_gemm(before)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The kept transposed FP8 codes
 # ---------------------------------------------------------------------------------------------------------------

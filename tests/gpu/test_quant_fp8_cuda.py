@@ -462,15 +462,6 @@ def test_fp8_gemm_rowwise_matches_scaled_mm(m, n, k, out_dtype):
         assert _rel(got, want) <= TOL[out_dtype]
 
 
-@pytest.fixture
-def gemm_setting():
-    """Gives the FP8 layer's GEMM setting (ops.set_fp8_gemm) back as it was."""
-    before = ops.set_fp8_gemm(None)
-    ops.set_fp8_gemm(before)
-    yield
-    ops.set_fp8_gemm(before)
-
-
 @requires_fp8
 def test_fp8_layer_on_the_cached_gemm_matches_torch(gemm_setting):
     """The setting cublaslt sends the FP8 layer's two GEMMs to ops.fp8_gemm_rowwise: outputs and input gradients as

@@ -20,7 +20,6 @@ import gc
 import importlib.util
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Callable, Optional
@@ -30,6 +29,7 @@ import torch
 from trainstream_hf.bench.common import markdown_table, median_time
 from trainstream_hf.bench.harness import Step, default_device, free_memory, measure_training, not_run
 from trainstream_hf.bench.models import build_model, make_batch, model_config
+from trainstream_hf.train.processes import free_port
 
 GiB, MiB = 2**30, 2**20
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -243,18 +243,12 @@ def torch_full(shape: str = "llama3.2-3b", grad_ckpt: bool = False, *, batch: in
                             vram_budget=vram_budget, tokens=batch * seq, fields=fields)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_single_rank(deepspeed) -> None:
     """A 1-rank NCCL group over env:// (a free local port), unless one exists or a launcher set one up."""
     if torch.distributed.is_initialized():
         return
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
     atexit.register(torch.distributed.destroy_process_group)
