@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call that measures what changed since the last GPU session (benchmarks/NOTES.md "Next GPU session").
+# Builds for sm_90, then runs each step under its own time limit; logs to /tmp/gpu-round, and only the JSON
+# results plus one summary.log come back in $OUT (the device tool returns few files).
+#   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine quant quant_untuned
+#                                                                   fp8_host fp8_profile tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc   # see gpu_check.sh: the image's g++ breaks streams
+SUM="$OUT/summary.log"
+say() { echo "== $* ($(date -u +%H:%M:%S))" | tee -a "$SUM"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$L/wheels.log" 2>&1
+export PYTHONPATH=$PWD:$PWD/scripts:/tmp/site
+say build
+TRAINSTREAM_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$L/build.log" 2>&1 \
+  || { tail -30 "$L/build.log" | tee -a "$SUM"; exit 1; }
+GPU=$(python3 -c "import torch; n=torch.cuda.get_device_name(0); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')")
+SHA=${TRAINSTREAM_COMMIT:-unknown}; SHA=${SHA:0:7}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$SUM"
+run() {  # run <limit_s> <name> <command...>: tail of its log into the summary
+  local lim=$1 name=$2; shift 2; say "$name"
+  timeout "$lim" "$@" > "$L/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$L/$name.log" >> "$SUM"; echo "-- $name rc=$rc" | tee -a "$SUM"
+}
+B="python3 -m trainstream_hf.bench"
+for s in "$@"; do case $s in
+  lora_tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 150 lora_tests python3 -m pytest -q -p no:cacheprovider -x \
+      tests/gpu/test_lora_cuda.py tests/gpu/test_fp8_speed_cuda.py tests/gpu/test_quant_fp8_cuda.py ;;
+  engine) run 300 engine $B engine --peers peft,bnb_ckpt,ts_nf4,ts_nf4_fused_norms --warmup 2 --repeats 5 \
+      --out "$OUT" --name "engine-nf4-$GPU-$SHA" ;;
+  quant) run 120 quant $B quant --peers bf16,bnb_nf4,nf4,fp8,nvfp4,dequant --out "$OUT" --name "quant-$GPU-$SHA" ;;
+  quant_untuned) TRAINSTREAM_FP8_GEMM_TUNE=0 run 60 quant_untuned $B quant --peers bf16,fp8 --out "$OUT" \
+      --name "quant-fp8-untuned-$GPU-$SHA" ;;
+  fp8_host) run 90 fp8_host python3 scripts/host_fp8.py; cp "$L/fp8_host.log" "$OUT/host-fp8-$GPU-$SHA.json" ;;
+  fp8_profile) OUT= run 90 fp8_profile python3 scripts/profile_quant.py fp8
+      cp "$L/fp8_profile.log" "$OUT/profile-quant-fp8-$GPU-$SHA.txt" ;;
+  tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
+  *) say "unknown step $s" ;;
+esac; done
+say done
