@@ -3,7 +3,7 @@
 # Builds for sm_90, then runs each step under its own time limit; logs to /tmp/gpu-round, and only the JSON
 # results plus one summary.log come back in $OUT (the device tool returns few files).
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine quant quant_untuned
-#                                                                   fp8_host fp8_profile tests
+#                                                                   fp8_host fp8_profile diag_split recipe_8b tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -26,7 +26,7 @@ run() {  # run <limit_s> <name> <command...>: tail of its log into the summary
 }
 B="python3 -m trainstream_hf.bench"
 for s in "$@"; do case $s in
-  lora_tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 150 lora_tests python3 -m pytest -q -p no:cacheprovider -x \
+  lora_tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 150 lora_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_lora_cuda.py tests/gpu/test_fp8_speed_cuda.py tests/gpu/test_quant_fp8_cuda.py ;;
   engine) run 300 engine $B engine --peers peft,bnb_ckpt,ts_nf4,ts_nf4_fused_norms --warmup 2 --repeats 5 \
       --out "$OUT" --name "engine-nf4-$GPU-$SHA" ;;
@@ -36,6 +36,10 @@ for s in "$@"; do case $s in
   fp8_host) run 90 fp8_host python3 scripts/host_fp8.py; cp "$L/fp8_host.log" "$OUT/host-fp8-$GPU-$SHA.json" ;;
   fp8_profile) OUT= run 90 fp8_profile python3 scripts/profile_quant.py fp8
       cp "$L/fp8_profile.log" "$OUT/profile-quant-fp8-$GPU-$SHA.txt" ;;
+  diag_split) run 60 diag_split python3 scripts/diag_split.py ;;
+  recipe_8b) run 200 recipe_8b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
+      --config configs/llama3-8b-lora-nf4-24gib.yaml --train.steps 12 --output_dir /tmp/sft8b
+      cp /tmp/sft8b/summary.json "$OUT/sft-llama3-8b-nf4-$GPU-$SHA.json" ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;

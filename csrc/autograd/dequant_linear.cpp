@@ -15,6 +15,8 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -147,6 +149,41 @@ at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
   return at::mm(a.to(at::kFloat), b.to(at::kFloat));
 }
 
+// cuBLAS may reduce a bf16 GEMM's split-K partial sums in bf16 (torch's default,
+// allow_bf16_reduced_precision_reduction): on small shapes it picks split-K, and the adapter's product added into
+// the bf16 output then carries one bf16 rounding per partial sum (measured on the H200: mean error 1.34x PEFT's
+// float32 graph on a 128 x 192 output). The split regime stands for float32 adapter math, so its bf16-output GEMMs
+// run with float32 reductions (split-K still allowed); the setting is process-wide and restored on exit. Both
+// forms of the setting (a bool, or torch's CuBLASReductionOption) are handled.
+template <class C>
+class Float32Reductions {
+ public:
+  explicit Float32Reductions(C& ctx) : ctx_(ctx), saved_(ctx.allowBF16ReductionCuBLAS()) { set(ctx_, saved_, false); }
+  ~Float32Reductions() { restore(ctx_, saved_); }
+  Float32Reductions(const Float32Reductions&) = delete;
+  Float32Reductions& operator=(const Float32Reductions&) = delete;
+
+ private:
+  using Saved = decltype(std::declval<C&>().allowBF16ReductionCuBLAS());
+  template <class D>
+  static void set(D& ctx, Saved, bool allow) {
+    if constexpr (std::is_same_v<Saved, bool>) ctx.setAllowBF16ReductionCuBLAS(allow);
+    else ctx.setAllowBF16ReductionCuBLAS(allow, /*allow_splitk=*/true);
+  }
+  template <class D>
+  static void restore(D& ctx, Saved saved) {
+    if constexpr (std::is_same_v<Saved, bool>) {
+      ctx.setAllowBF16ReductionCuBLAS(saved);
+    } else {  // AllowReducedPrecisionWithSplitK = 0, DisallowReducedPrecisionAllowSplitK = 1, ...DisallowSplitK = 2
+      const int v = static_cast<int>(saved);
+      ctx.setAllowBF16ReductionCuBLAS(v == 0, v != 2);
+    }
+  }
+  C& ctx_;
+  Saved saved_;
+};
+using SplitReductions = Float32Reductions<at::Context>;
+
 at::Tensor split_parts(const at::Tensor& t, std::vector<int64_t> pattern, int64_t dim) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("trainstream::split_bf16", "")
@@ -197,6 +234,7 @@ LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const 
     f.ya = sum_blocks(mm_f32(f.x2d, split_parts(lora_a, {0, 1, 2}, 0).t()), 3, 1);  // x A^T, (T, r) float32
     at::Tensor y2d = at::mm(f.x2d, w.t());
     // y += s (x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1
+    SplitReductions float32_reductions(at::globalContext());
     y2d.addmm_(split_parts(f.ya, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t(), /*beta=*/1,
                /*alpha=*/scaling);
     std::vector<int64_t> sizes = x.sizes().vec();
@@ -263,6 +301,7 @@ class LoraDequantLinearFunction : public torch::autograd::Function<LoraDequantLi
       if (ctx->needs_input_grad(0)) {
         const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), packed, c);
         at::Tensor dx = at::mm(g2d, w);
+        SplitReductions float32_reductions(at::globalContext());
         dx.addmm_(g6, split_parts(a, {0, 0, 0, 1, 2, 1}, 0));  // terms g0 a0, g1 a0, g2 a0, g0 a1, g0 a2, g1 a1
         out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
       }
