@@ -2,7 +2,7 @@
 # One device call that measures what changed since the last GPU session (benchmarks/NOTES.md "Next GPU session").
 # Builds for sm_90, then runs each step under its own time limit; logs to /tmp/gpu-round, and only the JSON
 # results plus one summary.log come back in $OUT (the device tool returns few files).
-#   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine quant quant_untuned
+#   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
 #                                                                   fp8_host fp8_profile diag_split recipe_8b tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,8 @@ for s in "$@"; do case $s in
       tests/gpu/test_lora_cuda.py tests/gpu/test_fp8_speed_cuda.py tests/gpu/test_quant_fp8_cuda.py ;;
   engine) run 300 engine $B engine --peers peft,bnb_ckpt,ts_nf4,ts_nf4_fused_norms --warmup 2 --repeats 5 \
       --out "$OUT" --name "engine-nf4-$GPU-$SHA" ;;
+  engine_recipe) run 300 engine_recipe $B engine --peers peft,bnb_ckpt,ts_nf4,recipe_nf4 --warmup 2 --repeats 10 \
+      --out "$OUT" --name "engine-nf4-recipe-$GPU-$SHA" ;;
   quant) run 120 quant $B quant --peers bf16,bnb_nf4,nf4,fp8,nvfp4,dequant --out "$OUT" --name "quant-$GPU-$SHA" ;;
   quant_untuned) TRAINSTREAM_FP8_GEMM_TUNE=0 run 60 quant_untuned $B quant --peers bf16,fp8 --out "$OUT" \
       --name "quant-fp8-untuned-$GPU-$SHA" ;;

@@ -281,3 +281,23 @@ def test_pcie_figures_use_the_busier_direction():
     assert peers.pcie_figures({"step_s": 2.0, "engine_stats": {"h2d_bytes": 0, "d2h_bytes": 0}}, bw) is None
     assert peers.pcie_figures(row, {"status": "not run: not selected"}) is None
     assert peers.pcie_figures({**row, "step_s": None}, bw) is None
+
+
+def test_engine_recipe_row_runs_the_recipe_as_launched(tmp_path):
+    """recipe_nf4: the sft recipe launched as a user launches it (accelerate launch, single-GPU config) in a child
+    process of the run; the row is its summary's median step, beside the peers of the same run."""
+    main(["engine", "--quick", "--repeats", "2", "--peers", "peft,recipe_nf4", "--out", str(tmp_path), "--name", "r"])
+    rows = {r["key"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    row = rows["recipe_nf4"]
+    assert row["status"] == "ok" and row["step_s"] > 0 and row["recipe_steps"] == 3, row
+    assert "recipes/sft.py" in row["recipe_command"] and "sft-tiny-cpu.yaml" in row["recipe_command"]
+    assert "accelerate" in row["recipe_command"] and row["x_first"] == row["step_s"] / rows["peft"]["step_s"]
+
+
+def test_engine_recipe_row_errors_name_the_cause():
+    from trainstream_hf.bench.engine import recipe_sft
+
+    with pytest.raises(ValueError, match="no recipe config for shape 'qwen'"):
+        recipe_sft("qwen", warmup=1, repeats=1)
+    with pytest.raises(RuntimeError, match="recipe exited with status"):
+        recipe_sft("tiny", warmup=1, repeats=1, launcher=[sys.executable, "-c", "import sys; sys.exit(3)", "--"])

@@ -14,7 +14,7 @@ from trainstream_hf.bench.harness import measure_training
 from trainstream_hf.bench.models import build_model, model_config
 from trainstream_hf.bench.peers import LORA, _batch, _common, _plain_step
 
-__all__ = ["trainstream_lora", "trainstream_quant", "trainstream_full", "trainstream_paged", "JOBS"]
+__all__ = ["trainstream_lora", "trainstream_quant", "trainstream_full", "trainstream_paged", "recipe_sft", "JOBS"]
 
 
 def _engine_fields(model, fields: dict) -> None:
@@ -146,6 +146,54 @@ def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 2
                             warmup=warmup, repeats=repeats, vram_budget=vram_budget, device=device, **options)
 
 
+RECIPE_CONFIGS = {"llama3-8b": "configs/llama3-8b-lora-nf4-24gib.yaml", "tiny": "configs/sft-tiny-cpu.yaml"}
+
+
+def recipe_sft(shape: str, *, warmup: int, repeats: int, launcher: Optional[list] = None, **_) -> dict:
+    """The nf4 LoRA recipe as a user runs it, ``accelerate launch --config_file configs/accelerate/single_gpu.yaml
+    recipes/sft.py --config <config>``, in a child process of this run (so a ratio against the peers of the same
+    run is a same-run ratio): its ``summary.json``'s median step over ``warmup + repeats`` steps, with bf16
+    autocast, clipping, the scheduler and a real data loader (the bench rows have none of these). Needs the
+    repository checkout (recipes/, configs/, data/).
+
+    Args:
+        shape: ``llama3-8b`` (configs/llama3-8b-lora-nf4-24gib.yaml) or ``tiny`` (configs/sft-tiny-cpu.yaml).
+        warmup, repeats: their sum is the recipe's ``train.steps``.
+        launcher: the command before ``recipes/sft.py`` (default the single-GPU accelerate launch).
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = root / "recipes" / "sft.py"
+    if shape not in RECIPE_CONFIGS:
+        raise ValueError(f"recipe_sft: no recipe config for shape {shape!r}; known: {sorted(RECIPE_CONFIGS)}")
+    if not recipe.exists():
+        raise FileNotFoundError(f"recipe_sft needs the repository checkout: {recipe} not found")
+    if launcher is None:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(root / "configs" / "accelerate" / "single_gpu.yaml")]
+    with tempfile.TemporaryDirectory(prefix="bench-recipe-") as out:
+        cmd = [*launcher, str(recipe), "--config", str(root / RECIPE_CONFIGS[shape]),
+               "--train.steps", str(warmup + repeats), "--output_dir", out]
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+            raise RuntimeError(f"recipe exited with status {done.returncode}:\n{tail}")
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    peak = summary.get("peak_memory", {})
+    step = summary["timing"]["median_step_seconds"]
+    return {"name": f"recipes/sft.py {Path(RECIPE_CONFIGS[shape]).name} (accelerate launch, "
+                    f"{summary.get('mixed_precision')} autocast)", "peer": "trainstream_recipe", "shape": shape,
+            "status": "ok", "step_s": step, "tokens_per_s": summary["timing"].get("tokens_per_second"),
+            "max_allocated": peak.get("bytes"), "max_reserved": peak.get("reserved_bytes"),
+            "recipe_command": " ".join(cmd),
+            "recipe_steps": summary.get("steps"), "train_loss": summary.get("train_loss", {}).get("last")}
+
+
 # key -> (group, function(shape, full_shape, budget, kw)) for the engine suite
 JOBS = {
     "ts_lora": ("lora", lambda shape, full_shape, budget, kw: trainstream_lora(shape, budget, **kw)),
@@ -153,6 +201,8 @@ JOBS = {
     # the same with the Llama RMSNorms fused (fused_norms: same maths, not the same bits)
     "ts_nf4_fused_norms": ("lora", lambda shape, full_shape, budget, kw: trainstream_quant(
         shape, budget, quantize="nf4", fused_norms=True, name_suffix=", fused norms", **kw)),
+    # the nf4 recipe itself, launched as a user launches it (a child process of this run)
+    "recipe_nf4": ("lora", lambda shape, full_shape, budget, kw: recipe_sft(shape, **kw)),
     "ts_full": ("full", lambda shape, full_shape, budget, kw: trainstream_full(full_shape, budget, **kw)),
     # the same with device gradients (the Trainer's setting: its clipping needs them), overlapped and serial steps
     "ts_full_devgrads": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
