@@ -3,7 +3,7 @@
 # Builds for sm_90, then runs each step under its own time limit; logs to /tmp/gpu-round, and only the JSON
 # results plus one summary.log come back in $OUT (the device tool returns few files).
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
-#                                                                   fp8_host fp8_profile diag_split recipe_8b tests
+#                                                                   fp8_host fp8_profile diag_split recipe_8b recipe_70b tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -42,6 +42,9 @@ for s in "$@"; do case $s in
   recipe_8b) run 200 recipe_8b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
       --config configs/llama3-8b-lora-nf4-24gib.yaml --train.steps 12 --output_dir /tmp/sft8b
       cp /tmp/sft8b/summary.json "$OUT/sft-llama3-8b-nf4-$GPU-$SHA.json" ;;
+  recipe_70b) run 200 recipe_70b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
+      --config configs/llama3-70b-lora-nf4-24gib.yaml --train.steps 6 --output_dir /tmp/sft70b
+      cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;
