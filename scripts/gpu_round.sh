@@ -32,7 +32,7 @@ for s in "$@"; do case $s in
       --out "$OUT" --name "engine-nf4-$GPU-$SHA" ;;
   engine_recipe) run 300 engine_recipe $B engine --peers peft,bnb_ckpt,ts_nf4,recipe_nf4 --warmup 2 --repeats 10 \
       --out "$OUT" --name "engine-nf4-recipe-$GPU-$SHA" ;;
-  quant) run 120 quant $B quant --peers bf16,bnb_nf4,nf4,fp8,nvfp4,dequant --out "$OUT" --name "quant-$GPU-$SHA" ;;
+  quant) run 120 quant $B quant --peers bf16,bnb_nf4,nf4,fp8,fp8_outliers,nvfp4,dequant --out "$OUT" --name "quant-$GPU-$SHA" ;;
   quant_untuned) TRAINSTREAM_FP8_GEMM_TUNE=0 run 60 quant_untuned $B quant --peers bf16,fp8 --out "$OUT" \
       --name "quant-fp8-untuned-$GPU-$SHA" ;;
   fp8_host) run 90 fp8_host python3 scripts/host_fp8.py; cp "$L/fp8_host.log" "$OUT/host-fp8-$GPU-$SHA.json" ;;

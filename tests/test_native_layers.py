@@ -71,7 +71,7 @@ def test_fused_layer_is_the_route_taken_and_matches_the_python_route(rowwise_sca
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     from trainstream_hf.quant.linear import _QuantLinearFunction
-    y2 = _QuantLinearFunction.apply(x, matmul.FP8_W8A8_SCALED_MM, layer.fmt, (32, 64), layer.weight_dtype, 0,
+    y2 = _QuantLinearFunction.apply(x, matmul.FP8_W8A8_SCALED_MM, layer.fmt, (32, 64), layer.weight_dtype, 0, None,
                                     layer.weight_data, layer.weight_scale)
     assert y2.grad_fn.name() == "_QuantLinearFunctionBackward"
     (dx2,) = torch.autograd.grad(y2, x, dy)
@@ -143,7 +143,7 @@ def test_dequant_node_matches_the_python_function(fmt, dtype):
     assert not any("_QuantLinearFunction" in n for n in _graph_names(y))
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
-    y2 = _QuantLinearFunction.apply(x, matmul.DEQUANT, layer.fmt, (48, 128), layer.weight_dtype, 0,
+    y2 = _QuantLinearFunction.apply(x, matmul.DEQUANT, layer.fmt, (48, 128), layer.weight_dtype, 0, None,
                                     *[getattr(layer, "weight_" + n) for n in layer.fmt.tensor_names])
     y2 = y2 + layer.bias.to(y2.dtype)
     (dx2,) = torch.autograd.grad(y2, x, dy)

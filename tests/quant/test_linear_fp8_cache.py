@@ -3,7 +3,8 @@
 On the CPU, torch._scaled_mm runs with row-wise scales (torch 2.13), so the FP8 tensor-core path is forced onto CPU
 layers and its C++ node runs for real, as in tests/test_native_layers.py. Checked: the kept copy is used (no
 ``transpose_bytes`` in the second backward), the input gradient is the same bits with and without it, it is made again
-after the weight changes (in place, or its storage swapped), the off switch, no copy where no backward follows, none
+after the weight changes (in place, or its storage swapped), the off switch, no copy where no backward follows, the
+outlier route (outliers > 0) passing the same copy to its backward, none
 for paged weights (a real WeightPager), and the op-level argument's checks. tests/gpu/test_fp8_speed_cuda.py checks
 the same on CUDA, with memory and CUDA-graph capture.
 """
@@ -30,6 +31,8 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "trainstream":
             self.calls.append(func.__name__.split(".")[0])
+            if self.calls[-1] == "fp8_linear_dgrad":
+                self.w_t = args[3] if len(args) > 3 else None
         return func(*args, **(kwargs or {}))
 
     def count(self, name):
@@ -96,6 +99,32 @@ def test_kept_copy_is_used_and_gives_the_same_bits():
     assert torch.equal(dx.view(16, 64), ops.fp8_linear_dgrad(dy.view(16, 48), w, s))
 
 
+def test_outlier_route_takes_the_kept_copy():
+    """outliers > 0 runs the Python Function (the outlier split); its backward takes the same kept copy: no
+    transpose after the first forward, and the same bits as the per-call transpose."""
+    layer, plain = _layer(seed=5, outliers=0.05), _layer(seed=5, outliers=0.05, fp8_transpose_cache=False)
+    x, dy = _x(16, 64, 6), torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    y, dx, fwd, bwd = _step(layer, x, dy)
+    assert y.grad_fn.name() != "Fp8LinearFunctionBackward" and "QuantLinearFunction" in _graph(y)
+    assert fwd.count("transpose_bytes") == 1 and bwd.count("fp8_linear_dgrad") == 1
+    kept = layer._fp8_wt[2]
+    assert bwd.w_t is kept  # the backward's op got the kept copy (it transposes inside otherwise)
+    y2, dx2, fwd, bwd = _step(layer, x, dy)
+    assert fwd.count("transpose_bytes") == 0 and bwd.w_t is kept and torch.equal(y2, y) and torch.equal(dx2, dx)
+    y3, dx3, fwd, bwd = _step(plain, x, dy)
+    assert plain._fp8_wt is None and bwd.w_t is None and torch.equal(y3, y) and torch.equal(dx3, dx)
+
+
+def _graph(y):
+    names, todo = [], [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None:
+            names.append(fn.name())
+            todo.extend(f for f, _ in fn.next_functions)
+    return " ".join(names)
+
+
 def test_made_again_after_the_weight_changes_in_place():
     layer = _layer(seed=4)
     x, dy = _x(8, 64, 5), torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -155,11 +184,8 @@ def test_off_switch_and_calls_without_a_backward():
     assert layer._fp8_wt is None
 
 
-def test_outlier_route_and_emulated_path_keep_nothing():
-    layer = _layer(seed=15, outliers=0.05)
+def test_emulated_path_keeps_nothing():
     x, dy = _x(8, 64, 16), torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(17)).to(torch.bfloat16)
-    _step(layer, x, dy)
-    assert layer._fp8_wt is None
     emulated = QuantLinear(quantize(_weight(48, 64, 18), "fp8"), act_quant=True)  # the CPU's own path
     assert emulated.matmul_path() is matmul.FP8_W8A8_EMULATED
     _step(emulated, x, dy)

@@ -261,7 +261,7 @@ def test_scaled_mm_path_through_the_autograd_function(rowwise_scaled_mm, scaled_
     packed = [layer.weight_data, layer.weight_scale]
     x = _act((2 * 8, 128), 14, torch.bfloat16).view(2, 8, 128).requires_grad_()
     y = _QuantLinearFunction.apply(x, matmul.FP8_W8A8_SCALED_MM, layer.fmt, (64, 128), torch.float32, k_outliers,
-                                   *packed)
+                                   None, *packed)
     assert y.shape == (2, 8, 64) and y.dtype == torch.bfloat16
     ref = layer(x.detach())  # the CPU path: the emulated forward, same maths
     assert float((y.detach().float() - ref.float()).abs().max()) <= 2 ** -7 * float(ref.float().abs().max())

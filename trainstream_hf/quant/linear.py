@@ -50,7 +50,7 @@ class _QuantLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, path, fmt, shape, dtype, k, *packed):
+    def forward(ctx, x, path, fmt, shape, dtype, k, w_t, *packed):
         q = QuantizedTensor(fmt, shape, dict(zip(fmt.tensor_names, packed)), dtype)
         x2d = x.reshape(-1, shape[1])
         if x2d.shape[0] == 0:
@@ -63,6 +63,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             y = path.forward(x2d, q, x).to(x.dtype)
         ctx.save_for_backward(*packed)
         ctx.meta = (path, fmt, shape, dtype)
+        ctx.w_t = w_t  # the layer's kept transposed FP8 codes (not an activation: no saved-tensor hooks), or None
         return y.view(*x.shape[:-1], shape[0])
 
     @staticmethod
@@ -74,8 +75,9 @@ class _QuantLinearFunction(torch.autograd.Function):
             # ctx.saved_tensors is read once: under torch.utils.checkpoint (use_reentrant=False) a second read raises.
             q = QuantizedTensor(fmt, shape, dict(zip(fmt.tensor_names, ctx.saved_tensors)), dtype)
             dy2d = dy.reshape(-1, shape[0])
-            dx = path.backward(dy2d, q).view(*dy.shape[:-1], shape[1])
-        return (dx, None, None, None, None, None) + (None,) * len(fmt.tensor_names)
+            dx = (path.backward(dy2d, q) if ctx.w_t is None else path.backward(dy2d, q, ctx.w_t))
+            dx = dx.view(*dy.shape[:-1], shape[1])
+        return (dx, None, None, None, None, None, None) + (None,) * len(fmt.tensor_names)
 
 
 class QuantLinear(nn.Module):
@@ -121,7 +123,7 @@ class QuantLinear(nn.Module):
     long as the layer lives; ``fp8_transpose_cache=False`` (or setting the attribute) trades it back for one
     transpose per backward call. Paged weights (the engine's weight pager marks them) get no copy: their storage is a
     device slot that other blocks reuse, so a copy would have to be rebuilt at every visit and would hold device
-    memory outside the pager's budget. The outlier route (``outliers > 0``) transposes per call too.
+    memory outside the pager's budget. The outlier route (``outliers > 0``) takes the same kept copy.
 
     Under ``torch.autocast`` (CPU or CUDA) ``x`` is cast to the autocast dtype first and the layer runs with autocast
     off inside, as ``torch.amp.custom_fwd(cast_inputs=...)`` does (which cannot be used here: it fixes one device
@@ -257,16 +259,16 @@ class QuantLinear(nn.Module):
         path = self._path_on(device)
         k = _outliers.num_outliers(self.outliers, self.in_features) if self.outliers else 0
         y = None
+        shape = (self.out_features, self.in_features)
+        q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
+        # the kept transposed FP8 codes for this call's backward (None: the backward transposes, or none needed)
+        w_t = self._fp8_transposed(packed[0], x, path, q) if path is matmul.FP8_W8A8_SCALED_MM and x.numel() else None
         if path.layer is not None and not (k and path.quantizes_activations) and x.numel():
             # A path with its own autograd node in C++ (weight-only and FP8 tensor-core layers, csrc/autograd/): no
             # Python in the backward. The outlier split and empty inputs take the Python Function below.
-            shape = (self.out_features, self.in_features)
-            q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
-            w_t = self._fp8_transposed(packed[0], x, path, q) if path is matmul.FP8_W8A8_SCALED_MM else None
             y = path.layer(x, q) if w_t is None else path.layer(x, q, w_t)
         if y is None:
-            y = _QuantLinearFunction.apply(x, path, self.fmt, (self.out_features, self.in_features),
-                                           self.weight_dtype, k, *packed)
+            y = _QuantLinearFunction.apply(x, path, self.fmt, shape, self.weight_dtype, k, w_t, *packed)
         bias = params["bias"]
         if bias is not None:
             y = y + bias.to(y.dtype)

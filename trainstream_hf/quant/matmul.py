@@ -89,7 +89,8 @@ class MatmulPath:
     # (x = src.reshape(-1, K)), passed where the path may reuse src's quantization (quantize_activation); None: x
     # is a temporary (the outlier path's x with its outlier channels zeroed) and is quantized afresh.
     forward: Callable[..., torch.Tensor]
-    backward: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor]  # dy (T, N) -> dx (T, K) in dy.dtype
+    # (dy (T, N), q) -> dx (T, K) in dy.dtype; the FP8 one also takes (dy, q, w_t) (takes_transposed_weight)
+    backward: Callable[..., torch.Tensor]
     # Optional: (x (..., K), q) -> y (..., N) in x.dtype with its own autograd node (forward and backward as above,
     # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off.
     # The FP8 one also takes (x, q, w_t): the codes transposed, kept by the caller (takes_transposed_weight).
@@ -327,12 +328,13 @@ def _fp8_scaled_mm_forward(x: torch.Tensor, q: QuantizedTensor, src: torch.Tenso
     return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
 
 
-def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor | None = None) -> torch.Tensor:
     if not _scaled_mm_ok(dy.dtype, q):
         return _dequant_backward(dy, q)
     # dy * s_w per token to E4M3; the (N, K) operand column-major = a row-major (K, N) copy, viewed back (a tiled
-    # byte transpose: torch's strided copy moves bytes at a fraction of memory bandwidth); one native call.
-    return ops.fp8_linear_dgrad(dy, q.tensors["data"], q.tensors["scale"])
+    # byte transpose: torch's strided copy moves bytes at a fraction of memory bandwidth), or w_t, that copy kept by
+    # the caller; one native call.
+    return ops.fp8_linear_dgrad(dy, q.tensors["data"], q.tensors["scale"], w_t)
 
 
 def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor | None = None
@@ -349,8 +351,9 @@ def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor 
 
 
 def takes_transposed_weight(path: MatmulPath, dtype: torch.dtype, q: QuantizedTensor) -> bool:
-    """Whether ``path.layer`` runs the FP8 tensor-core backward for inputs of ``dtype`` and so can take a kept
-    transposed copy of ``q``'s codes as ``w_t`` (``fp8_w8a8_scaled_mm`` where ``_scaled_mm`` runs the call)."""
+    """Whether ``path.layer`` and ``path.backward`` run the FP8 tensor-core backward for inputs of ``dtype`` and so
+    can take a kept transposed copy of ``q``'s codes as ``w_t`` (``fp8_w8a8_scaled_mm`` where ``_scaled_mm`` runs
+    the call)."""
     return path is FP8_W8A8_SCALED_MM and _scaled_mm_ok(dtype, q)
 
 
