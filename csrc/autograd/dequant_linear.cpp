@@ -150,11 +150,14 @@ at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // cuBLAS may reduce a bf16 GEMM's split-K partial sums in bf16 (torch's default,
-// allow_bf16_reduced_precision_reduction): on small shapes it picks split-K, and the adapter's product added into
-// the bf16 output then carries one bf16 rounding per partial sum (measured on the H200: mean error 1.34x PEFT's
-// float32 graph on a 128 x 192 output). The split regime stands for float32 adapter math, so its bf16-output GEMMs
-// run with float32 reductions (split-K still allowed); the setting is process-wide and restored on exit. Both
-// forms of the setting (a bool, or torch's CuBLASReductionOption) are handled.
+// allow_bf16_reduced_precision_reduction), and on small outputs it picks split-K to fill the GPU: the adapter's
+// product added into the bf16 output then carries a bf16 rounding per partial sum. On the H200 (8d2ab0b) the split
+// regime's y was 1.34x further from float64 than PEFT's float32 graph on a 128 x 192 output where the adapter's term
+// dominates, while its float32 adapter gradients (which never pass through a bf16 output) matched PEFT to 1e-5: the
+// suspected cause, not yet confirmed on a GPU (scripts/diag_split.py compares both settings). The split regime stands
+// for float32 adapter math, so its bf16-output GEMMs run with float32 reductions (split-K still allowed); the
+// setting is process-wide and restored on exit. Both forms of the setting (a bool, or torch's
+// CuBLASReductionOption) are handled.
 template <class C>
 class Float32Reductions {
  public:
