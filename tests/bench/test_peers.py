@@ -301,3 +301,27 @@ def test_engine_recipe_row_errors_name_the_cause():
         recipe_sft("qwen", warmup=1, repeats=1)
     with pytest.raises(RuntimeError, match="recipe exited with status"):
         recipe_sft("tiny", warmup=1, repeats=1, launcher=[sys.executable, "-c", "import sys; sys.exit(3)", "--"])
+
+
+def test_rows_list_their_losses(tmp_path):
+    """Each training row lists every step's loss (warm-up first), read after the timed steps: a fast row that
+    trains something else shows. Same seed, weights and batch: the bf16 LoRA rows start from the same loss (B = 0 at
+    init), the nf4 one from a nearby one."""
+    main(["engine", "--quick", "--seq", "16", "--warmup", "1", "--repeats", "2", "--peers", "peft,ts_lora,ts_nf4",
+          "--out", str(tmp_path), "--name", "l"])
+    rows = {r["key"]: r for r in json.loads((tmp_path / "l.json").read_text())["results"]}
+    for key in ("peft", "ts_lora", "ts_nf4"):
+        losses = rows[key]["losses"]
+        assert len(losses) == 3 and all(0 < v < 20 for v in losses), (key, losses)
+    assert rows["ts_lora"]["losses"][0] == pytest.approx(rows["peft"]["losses"][0], rel=1e-5)
+    assert rows["ts_nf4"]["losses"][0] == pytest.approx(rows["peft"]["losses"][0], rel=0.05)
+    assert rows["peft"]["losses"][2] < rows["peft"]["losses"][0]  # it trains
+
+
+def test_harness_keeps_no_losses_for_steps_that_return_none():
+    row = measure_training("x", lambda: ((lambda: None), None), device=torch.device("cpu"), warmup=1, repeats=2)
+    assert "losses" not in row
+    values = iter([3.0, 2.0, 1.0])
+    row = measure_training("y", lambda: ((lambda: torch.tensor(next(values))), None), device=torch.device("cpu"),
+                           warmup=1, repeats=2)
+    assert row["losses"] == [3.0, 2.0, 1.0]

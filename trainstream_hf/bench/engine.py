@@ -29,8 +29,9 @@ def _engine_fields(model, fields: dict) -> None:
 def _with_stats(model, step, fields: dict):
     """The step, recording the engine's figures of the last completed step into the row."""
     def run():
-        step()
+        loss = step()
         fields["engine_stats"] = model.trainstream_stats()
+        return loss
     return run
 
 
@@ -152,7 +153,8 @@ RECIPE_CONFIGS = {"llama3-8b": "configs/llama3-8b-lora-nf4-24gib.yaml", "tiny": 
 def recipe_sft(shape: str, *, warmup: int, repeats: int, launcher: Optional[list] = None, **_) -> dict:
     """The nf4 LoRA recipe as a user runs it, ``accelerate launch --config_file configs/accelerate/single_gpu.yaml
     recipes/sft.py --config <config>``, in a child process of this run (so a ratio against the peers of the same
-    run is a same-run ratio): its ``summary.json``'s median step over ``warmup + repeats`` steps, with bf16
+    run is a same-run ratio): its ``summary.json``'s median step over ``warmup + repeats`` steps (``losses``: the
+    training losses it logged, every ``train.log_every`` steps), with bf16
     autocast, clipping, the scheduler and a real data loader (the bench rows have none of these). Needs the
     repository checkout (recipes/, configs/, data/).
 
@@ -191,7 +193,8 @@ def recipe_sft(shape: str, *, warmup: int, repeats: int, launcher: Optional[list
             "status": "ok", "step_s": step, "tokens_per_s": summary["timing"].get("tokens_per_second"),
             "max_allocated": peak.get("bytes"), "max_reserved": peak.get("reserved_bytes"),
             "recipe_command": " ".join(cmd),
-            "recipe_steps": summary.get("steps"), "train_loss": summary.get("train_loss", {}).get("last")}
+            "recipe_steps": summary.get("steps"),
+            "losses": [v for _, v in summary.get("train_loss", {}).get("curve", [])]}
 
 
 # key -> (group, function(shape, full_shape, budget, kw)) for the engine suite

@@ -17,7 +17,7 @@ import torch
 from trainstream_hf.bench.common import median_time
 from trainstream_hf.engine.gcstats import GcPauses
 
-Step = Callable[[], None]
+Step = Callable[[], Optional[torch.Tensor]]  # one training step; may return its loss
 
 
 def default_device() -> torch.device:
@@ -91,7 +91,9 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
     Args:
         name: the row's ``name``.
         setup: called under the VRAM cap; returns ``(step, close)``: ``step()`` runs one full training
-            step, ``close()`` (or None) releases what the peer holds outside Python references.
+            step (and may return its loss, a tensor: the row then lists every step's loss, read after the timed
+            steps so that no step waits on it), ``close()`` (or None) releases what the peer holds outside Python
+            references.
         device: where it runs (CUDA: events + peak memory; CPU: perf_counter, no memory figures).
         warmup: untimed steps first (first-step allocations, JIT builds, optimizer state).
         repeats: timed steps; the median is reported.
@@ -107,6 +109,7 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
     """
     out = {"step_s": None, "tokens_per_s": None, "max_allocated": None, "max_reserved": None,
            "vram_budget": vram_budget, "status": "ok"}
+    losses: list = []
     cuda = device.type == "cuda"
     step = close = None
     try:
@@ -119,6 +122,7 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
         with vram_cap(vram_budget, device):
             step, close = setup()
             out["setup_s"] = time.perf_counter() - t0
+            step = _keeping_losses(step, losses)
             for _ in range(warmup):
                 step()
             if cuda:
@@ -136,11 +140,23 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
         if cuda:
             out["max_allocated"] = torch.cuda.max_memory_allocated(device)
             out["max_reserved"] = torch.cuda.max_memory_reserved(device)
+        if losses:  # warm-up steps first; each a float now that the steps are over
+            out["losses"] = [float(v) for v in losses]
         if close is not None:
             close()
         step = close = None
+        losses.clear()
         free_memory()
     return {"name": name, **(fields or {}), **out}
+
+
+def _keeping_losses(step: Step, into: list) -> Step:
+    """``step`` that appends what it returns, when a one-element tensor (its loss), to ``into``."""
+    def run():
+        value = step()
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            into.append(value)
+    return run
 
 
 def not_run(name: str, reason: str, **fields) -> dict:

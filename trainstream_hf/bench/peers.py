@@ -61,6 +61,7 @@ def _plain_step(model, opt, inputs, autocast: Optional[torch.dtype] = None) -> S
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
     return step
 
 
@@ -338,6 +339,7 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
             loss = engine(**inputs).loss
             engine.backward(loss)
             engine.step()
+            return loss.detach()
         return step, engine.destroy
 
     return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats,
@@ -538,11 +540,12 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
             if r["group"] == group and r["step_s"] and base:
                 r["x_first"] = r["step_s"] / base
     table = [{**r, "alloc_GiB": r["max_allocated"] / GiB if r.get("max_allocated") else None,
-              "reserved_GiB": r["max_reserved"] / GiB if r.get("max_reserved") else None} for r in rows]
+              "reserved_GiB": r["max_reserved"] / GiB if r.get("max_reserved") else None,
+              "last_loss": r["losses"][-1] if r.get("losses") else None} for r in rows]
     md = [f"### Peers: LoRA on {shape}, full fine-tune on {full_shape}, batch {batch} x {seq} tokens, "
           f"median of {kw['repeats']} steps after {kw['warmup']}; x_first = step / first row of its group",
           markdown_table(table, ["group", "name", "status", "step_s", "tokens_per_s", "alloc_GiB",
-                                 "reserved_GiB", "x_first"])]
+                                 "reserved_GiB", "x_first", "last_loss"])]
     bw, bounds = payload["bandwidth"], payload["offload_bounds"]
     if bw["status"] == "ok":
         md.append(f"Pinned copies, {bw['bytes'] / MiB:.0f} MiB: H2D {bw['h2d_GBps']:.1f} GB/s, "
