@@ -153,10 +153,9 @@ RECIPE_CONFIGS = {"llama3-8b": "configs/llama3-8b-lora-nf4-24gib.yaml", "tiny": 
 def recipe_sft(shape: str, *, warmup: int, repeats: int, launcher: Optional[list] = None, **_) -> dict:
     """The nf4 LoRA recipe as a user runs it, ``accelerate launch --config_file configs/accelerate/single_gpu.yaml
     recipes/sft.py --config <config>``, in a child process of this run (so a ratio against the peers of the same
-    run is a same-run ratio): its ``summary.json``'s median step over ``warmup + repeats`` steps (``losses``: the
-    training losses it logged, every ``train.log_every`` steps), with bf16
-    autocast, clipping, the scheduler and a real data loader (the bench rows have none of these). Needs the
-    repository checkout (recipes/, configs/, data/).
+    run is a same-run ratio): its ``summary.json``'s median step over ``warmup + repeats`` steps, with bf16 autocast,
+    clipping, the scheduler and a real data loader (the bench rows have none of these); ``losses``: the training
+    losses it logged (every ``train.log_every`` steps). Needs the repository checkout (recipes/, configs/, data/).
 
     Args:
         shape: ``llama3-8b`` (configs/llama3-8b-lora-nf4-24gib.yaml) or ``tiny`` (configs/sft-tiny-cpu.yaml).

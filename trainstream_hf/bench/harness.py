@@ -140,7 +140,7 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
         if cuda:
             out["max_allocated"] = torch.cuda.max_memory_allocated(device)
             out["max_reserved"] = torch.cuda.max_memory_reserved(device)
-        if losses:  # warm-up steps first; each a float now that the steps are over
+        if losses and out["status"] == "ok":  # warm-up steps first; each a float now that the steps are over
             out["losses"] = [float(v) for v in losses]
         if close is not None:
             close()
