@@ -79,3 +79,20 @@ def gemm_setting():
     ops.set_fp8_gemm(before)
     yield
     ops.set_fp8_gemm(before)
+
+
+def _autograd_node_names(y):
+    """Names of every autograd node behind y."""
+    names, todo = [], [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None:
+            names.append(node.name())
+            todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.fixture
+def graph_names():
+    """The names of every autograd node behind a tensor: ``graph_names(y)``."""
+    return _autograd_node_names

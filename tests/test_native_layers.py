@@ -24,17 +24,6 @@ def _layer(n=32, k=64, seed=0, bias=False):
     return layer
 
 
-def _graph_names(y):
-    """Names of every autograd node behind y."""
-    names, todo = [], [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None:
-            names.append(node.name())
-            todo.extend(n for n, _ in node.next_functions)
-    return names
-
-
 def _reference(x2d, dy2d, q):
     """The path's maths op by op: forward y = x_q W_q^T scaled; dx = e4m3(dy * s_w) W_q with unit scale_b."""
     data, scale = q.tensors["data"], q.tensors["scale"]
@@ -61,13 +50,13 @@ def test_fused_layer_matches_the_maths_bit_for_bit(rowwise_scaled_mm, bias):
     assert layer.weight_data.grad is None and layer.weight_scale.grad is None
 
 
-def test_fused_layer_is_the_route_taken_and_matches_the_python_route(rowwise_scaled_mm):
+def test_fused_layer_is_the_route_taken_and_matches_the_python_route(rowwise_scaled_mm, graph_names):
     """Without outliers the layer goes through ops.fp8_linear; the Python autograd Function (the outlier route's)
     gives the same bits."""
     layer = _layer(seed=1)
     x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
-    assert any("Fp8LinearFunction" in n for n in _graph_names(y))  # the C++ node, under y's view
+    assert any("Fp8LinearFunction" in n for n in graph_names(y))  # the C++ node, under y's view
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     from trainstream_hf.quant.linear import _QuantLinearFunction
@@ -132,15 +121,15 @@ def test_bad_operands_raise_clear_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
-def test_dequant_node_matches_the_python_function(fmt, dtype):
+def test_dequant_node_matches_the_python_function(fmt, dtype, graph_names):
     from trainstream_hf.quant.linear import _QuantLinearFunction
     torch.manual_seed(4)
     layer = QuantLinear(quantize(torch.randn(48, 128), fmt), torch.randn(48), act_quant=False)
     assert layer.matmul_path().name == "dequant"
     x = torch.randn(2, 5, 128, dtype=dtype, requires_grad=True)
     y = layer(x)
-    assert any("DequantLinearFunction" in n for n in _graph_names(y))  # the C++ node (under the view, bias add)
-    assert not any("_QuantLinearFunction" in n for n in _graph_names(y))
+    assert any("DequantLinearFunction" in n for n in graph_names(y))  # the C++ node (under the view, bias add)
+    assert not any("_QuantLinearFunction" in n for n in graph_names(y))
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     y2 = _QuantLinearFunction.apply(x, matmul.DEQUANT, layer.fmt, (48, 128), layer.weight_dtype, 0, None,
@@ -175,14 +164,14 @@ def test_dequant_node_bad_input():
         ops.dequant_linear(torch.randn(()), packed, "int8")
 
 
-def test_dequant_node_takes_any_leading_dimensions_without_view_nodes():
+def test_dequant_node_takes_any_leading_dimensions_without_view_nodes(graph_names):
     """(..., K) in, (..., N) out, the reshapes inside the node: the output's grad_fn is the C++ node itself (no
     ViewBackward on either side), and the numbers are those of the 2-D call."""
     layer = QuantLinear(quantize(torch.randn(32, 64), "nf4"), act_quant=False)
     x = torch.randn(2, 3, 64, requires_grad=True)
     y = layer(x)
     assert y.shape == (2, 3, 32) and "DequantLinearFunction" in y.grad_fn.name()
-    assert all("View" not in n for n in _graph_names(y))
+    assert all("View" not in n for n in graph_names(y))
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     x2 = x.detach().reshape(6, 64).requires_grad_()

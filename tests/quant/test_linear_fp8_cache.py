@@ -99,13 +99,13 @@ def test_kept_copy_is_used_and_gives_the_same_bits():
     assert torch.equal(dx.view(16, 64), ops.fp8_linear_dgrad(dy.view(16, 48), w, s))
 
 
-def test_outlier_route_takes_the_kept_copy():
+def test_outlier_route_takes_the_kept_copy(graph_names):
     """outliers > 0 runs the Python Function (the outlier split); its backward takes the same kept copy: no
     transpose after the first forward, and the same bits as the per-call transpose."""
     layer, plain = _layer(seed=5, outliers=0.05), _layer(seed=5, outliers=0.05, fp8_transpose_cache=False)
     x, dy = _x(16, 64, 6), torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     y, dx, fwd, bwd = _step(layer, x, dy)
-    assert y.grad_fn.name() != "Fp8LinearFunctionBackward" and "QuantLinearFunction" in _graph(y)
+    assert y.grad_fn.name() != "Fp8LinearFunctionBackward" and "QuantLinearFunction" in " ".join(graph_names(y))
     assert fwd.count("transpose_bytes") == 1 and bwd.count("fp8_linear_dgrad") == 1
     kept = layer._fp8_wt[2]
     assert bwd.w_t is kept  # the backward's op got the kept copy (it transposes inside otherwise)
@@ -113,16 +113,6 @@ def test_outlier_route_takes_the_kept_copy():
     assert fwd.count("transpose_bytes") == 0 and bwd.w_t is kept and torch.equal(y2, y) and torch.equal(dx2, dx)
     y3, dx3, fwd, bwd = _step(plain, x, dy)
     assert plain._fp8_wt is None and bwd.w_t is None and torch.equal(y3, y) and torch.equal(dx3, dx)
-
-
-def _graph(y):
-    names, todo = [], [y.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is not None:
-            names.append(fn.name())
-            todo.extend(f for f, _ in fn.next_functions)
-    return " ".join(names)
 
 
 def test_made_again_after_the_weight_changes_in_place():
