@@ -10,6 +10,7 @@ OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc   # see gpu_check.sh: the image's g++ breaks streams
 SUM="$OUT/summary.log"
+echo "# bash scripts/gpu_round.sh $*  (commit ${TRAINSTREAM_COMMIT:-unknown}, $(date -u +%FT%TZ))" > "$SUM"
 say() { echo "== $* ($(date -u +%H:%M:%S))" | tee -a "$SUM"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$L/wheels.log" 2>&1
 export PYTHONPATH=$PWD:$PWD/scripts:/tmp/site
