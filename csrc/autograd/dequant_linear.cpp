@@ -149,44 +149,6 @@ at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
   return at::mm(a.to(at::kFloat), b.to(at::kFloat));
 }
 
-// cuBLAS may reduce a bf16 GEMM's split-K partial sums in bf16 (torch's default,
-// allow_bf16_reduced_precision_reduction), and on small outputs it picks split-K to fill the GPU: the adapter's
-// product added into the bf16 output then carries a bf16 rounding per partial sum. On the H200 (8d2ab0b) the split
-// regime's y was 1.34x further from float64 than PEFT's float32 graph on a 128 x 192 output where the adapter's term
-// dominates, while its float32 adapter gradients (which never pass through a bf16 output) matched PEFT to 1e-5: the
-// suspected cause, not yet confirmed on a GPU (scripts/diag_split.py compares both settings). The split regime stands
-// for float32 adapter math, so its bf16-output GEMMs run with float32 reductions (split-K still allowed); the
-// setting is process-wide and restored on exit. Both forms of the setting (a bool, or torch's
-// CuBLASReductionOption) are handled.
-template <class C>
-class Float32Reductions {
- public:
-  explicit Float32Reductions(C& ctx) : ctx_(ctx), saved_(ctx.allowBF16ReductionCuBLAS()) { set(ctx_, saved_, false); }
-  ~Float32Reductions() { restore(ctx_, saved_); }
-  Float32Reductions(const Float32Reductions&) = delete;
-  Float32Reductions& operator=(const Float32Reductions&) = delete;
-
- private:
-  using Saved = decltype(std::declval<C&>().allowBF16ReductionCuBLAS());
-  template <class D>
-  static void set(D& ctx, Saved, bool allow) {
-    if constexpr (std::is_same_v<Saved, bool>) ctx.setAllowBF16ReductionCuBLAS(allow);
-    else ctx.setAllowBF16ReductionCuBLAS(allow, /*allow_splitk=*/true);
-  }
-  template <class D>
-  static void restore(D& ctx, Saved saved) {
-    if constexpr (std::is_same_v<Saved, bool>) {
-      ctx.setAllowBF16ReductionCuBLAS(saved);
-    } else {  // AllowReducedPrecisionWithSplitK = 0, DisallowReducedPrecisionAllowSplitK = 1, ...DisallowSplitK = 2
-      const int v = static_cast<int>(saved);
-      ctx.setAllowBF16ReductionCuBLAS(v == 0, v != 2);
-    }
-  }
-  C& ctx_;
-  Saved saved_;
-};
-using SplitReductions = Float32Reductions<at::Context>;
-
 at::Tensor split_parts(const at::Tensor& t, std::vector<int64_t> pattern, int64_t dim) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("trainstream::split_bf16", "")
@@ -236,10 +198,13 @@ LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const 
     f.b = lora_b;
     f.ya = sum_blocks(mm_f32(f.x2d, split_parts(lora_a, {0, 1, 2}, 0).t()), 3, 1);  // x A^T, (T, r) float32
     at::Tensor y2d = at::mm(f.x2d, w.t());
-    // y += s (x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1
-    SplitReductions float32_reductions(at::globalContext());
-    y2d.addmm_(split_parts(f.ya, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t(), /*beta=*/1,
-               /*alpha=*/scaling);
+    // y += (s x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1 of h = s x A^T (float32, (T, r)). The scaling
+    // goes into h, not into the GEMM's alpha: on the H100 and H200 (torch 2.11) a bf16 addmm_ with alpha != 1 came out
+    // as if alpha A B were rounded to bf16 before C was added (1.34x the error of one rounding on
+    // scripts/diag_split.py's 128 x 96 x 192 case, whatever torch's reduced-precision-reduction setting), while the
+    // backward's alpha = 1 addmm_ (dx below) matched PEFT's error.
+    const at::Tensor h = scaling == 1.0 ? f.ya : f.ya.mul(scaling);
+    y2d.addmm_(split_parts(h, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t());
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = w.size(0);
     f.y = y2d.view(sizes);
@@ -304,7 +269,6 @@ class LoraDequantLinearFunction : public torch::autograd::Function<LoraDequantLi
       if (ctx->needs_input_grad(0)) {
         const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), packed, c);
         at::Tensor dx = at::mm(g2d, w);
-        SplitReductions float32_reductions(at::globalContext());
         dx.addmm_(g6, split_parts(a, {0, 0, 0, 1, 2, 1}, 0));  // terms g0 a0, g1 a0, g2 a0, g0 a1, g0 a2, g1 a1
         out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
       }
