@@ -122,7 +122,14 @@ at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c
 // float32 accumulation (float32 output where the result stays float32): x A^T = [x] [A0; A1; A2]^T exactly term by
 // term, and for products of two float32 operands the six terms above 2^-24 (p0 q0, p0 q1, p1 q0, p0 q2, p2 q0, p1 q1)
 // -- float32-level results, summed in another order than PEFT's float32 GEMMs. The gradients of A and B are float32,
-// as PEFT's; y and dx are rounded once (PEFT rounds the adapter's input gradient, then the sum).
+// as PEFT's. The adapter's terms of y and dx are added into the base's bf16 GEMM output by one addmm_. On the CPU that
+// rounds once: y = bf16(y_base + t), PEFT's y (t = s x A^T B^T in float32), and dx rounded once where PEFT rounds the
+// adapter's input gradient, then the sum. On CUDA, cuBLAS rounds alpha A B to bf16 before it adds C: every output of
+// a bf16 addmm_ equalled bf16(c + bf16(alpha a b)), for alpha 1, 1.5 and 2, cuBLAS and cuBLASLt, either setting of
+// torch's reduced-precision reduction (H100, torch 2.11, scripts/diag_split.py, session 13). So there dx has PEFT's
+// two roundings and y one more than PEFT's, bf16(y_base + bf16(t)): at most 2^-8 |t| per element more, visible only
+// where the adapter's term is comparable to the base's (the GPU test's adapter-dominated layer: 1.34x PEFT's mean
+// error against float64). Adding t in float32 instead would cost a (tokens, out_features) float32 pass per layer.
 // ---------------------------------------------------------------------------------------------------------------
 
 at::ScalarType lora_compute_dtype(const at::Tensor& x) {
@@ -198,13 +205,10 @@ LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const 
     f.b = lora_b;
     f.ya = sum_blocks(mm_f32(f.x2d, split_parts(lora_a, {0, 1, 2}, 0).t()), 3, 1);  // x A^T, (T, r) float32
     at::Tensor y2d = at::mm(f.x2d, w.t());
-    // y += (s x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1 of h = s x A^T (float32, (T, r)). The scaling
-    // goes into h, not into the GEMM's alpha: on the H100 and H200 (torch 2.11) a bf16 addmm_ with alpha != 1 came out
-    // as if alpha A B were rounded to bf16 before C was added (1.34x the error of one rounding on
-    // scripts/diag_split.py's 128 x 96 x 192 case, whatever torch's reduced-precision-reduction setting), while the
-    // backward's alpha = 1 addmm_ (dx below) matched PEFT's error.
-    const at::Tensor h = scaling == 1.0 ? f.ya : f.ya.mul(scaling);
-    y2d.addmm_(split_parts(h, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t());
+    // y += s (x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1. On CUDA the bf16 addmm_ rounds s h B^T to
+    // bf16 before adding it to y (see the header).
+    y2d.addmm_(split_parts(f.ya, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t(), /*beta=*/1,
+               /*alpha=*/scaling);
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = w.size(0);
     f.y = y2d.view(sizes);
