@@ -578,7 +578,7 @@ def transpose_bytes_reference(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: bool = True,
-               w_t: torch.Tensor | None = None) -> torch.Tensor:
+               w_t: torch.Tensor | None = None, outliers: int = 0) -> torch.Tensor:
     """``y = torch._scaled_mm(e4m3(x) per row, w.t(), scale_a=s_x, scale_b=w_scale (1, N), out_dtype=x.dtype)`` as
     (..., N), differentiable in ``x``: the backward is :func:`fp8_linear_dgrad` of the output gradient, computed in
     C++ (no Python, no GIL, on the autograd thread). ``w`` and ``w_scale`` are saved for it with ``save_for_backward``
@@ -597,8 +597,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
         w_t: optional ``w`` transposed, (K, N) float8_e4m3fn (:func:`transpose_bytes` of ``w``), which the caller keeps
             in step with ``w``: the backward takes it instead of transposing ``w`` on every call (same bits). It is
             held by the autograd node, not saved with ``save_for_backward`` (saved-tensor hooks do not see it).
+        outliers: ``k >= 0``; with ``k > 0`` the ``k`` input channels of largest ``max |x|`` over the tokens (picked
+            on the device, no host sync) are zeroed in the quantized operand and multiplied in float32 against their
+            dequantized weight columns, the sum rounded once to x's dtype (:mod:`trainstream_hf.quant.outliers`); that
+            quantization is never kept or reused. The backward is the same.
     """
-    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse, w_t)
+    return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse, w_t, outliers)
 
 
 def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -651,8 +655,9 @@ def _check_transposed_fake(op, w, w_t):
 
 
 @torch.library.register_fake("trainstream::fp8_linear")
-def _fp8_linear_fake(x, w, w_scale, reuse=True, w_t=None):
+def _fp8_linear_fake(x, w, w_scale, reuse=True, w_t=None, outliers=0):
     torch._check(x.dim() >= 1 and w.dim() == 2 and x.shape[-1] == w.shape[1], lambda: "fp8_linear: x must be (..., K)")
+    torch._check(0 <= outliers <= w.shape[1], lambda: "fp8_linear: outliers must be a channel count in [0, K]")
     _check_transposed_fake("fp8_linear", w, w_t)
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 

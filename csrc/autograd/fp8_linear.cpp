@@ -8,10 +8,16 @@
 // from Python does the reshape, the quantization (or its reuse), the GEMM and the view, and the backward never takes
 // the GIL.
 //
-//   fp8_linear(x, w, w_scale, reuse, w_t) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1), scale_b =
-//       w_scale (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn codes, w_scale
-//       (N,) float32. reuse: keep this quantization of x for the next call on the same x (below). w_t: optional, w's
-//       codes transposed, (K, N) contiguous, handed to the backward (below); the forward does not read it.
+//   fp8_linear(x, w, w_scale, reuse, w_t, outliers) -> y = _scaled_mm(e4m3(x) per row, w^T, scale_a = s_x (T, 1),
+//       scale_b = w_scale (1, N)) in x's dtype, as (..., N). x (..., K) bfloat16 / float16; w (N, K) float8_e4m3fn
+//       codes, w_scale (N,) float32. reuse: keep this quantization of x for the next call on the same x (below). w_t:
+//       optional, w's codes transposed, (K, N) contiguous, handed to the backward (below); the forward does not read
+//       it. outliers = k > 0: the k input channels of largest max |x| over the tokens (torch.topk on the device: no
+//       host sync, no data-dependent shape) are zeroed in the quantized operand and multiplied in float32 against
+//       their dequantized weight columns, y = bf16(fp8 GEMM(x with them zeroed) + x[:, I] W_hat[:, I]^T), the sum
+//       in float32 (trainstream_hf/quant/outliers.py's decomposition, as one op: its Python autograd Function cost
+//       host time per layer call; this runs torch's ops from C++ and keeps the C++ backward, which the split does
+//       not change: dx = dy W_hat). That quantization is a temporary, never kept or reused (with reuse, a miss).
 //   fp8_linear_dgrad(dy, w, w_scale, w_t) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a =
 //       s_g, scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
 //
@@ -300,17 +306,43 @@ std::vector<int64_t> fp8_activation_cache(bool clear) {
   return {cache.kept.has_value() ? 1 : 0, cache.hits, cache.misses};
 }
 
+// The outlier split of x2d (T, K) for k channels (see the top of this file): y = GEMM(x_rest) + x_out cols^T.
+struct OutlierSplit {
+  at::Tensor x_rest, x_out, cols;  // (T, K) x.dtype; (T, k) float32; (N, k) float32 = dequantize(w)[:, I]
+};
+
+OutlierSplit split_outliers(const at::Tensor& x2d, const at::Tensor& w, const at::Tensor& w_scale, int64_t k) {
+  const at::Tensor idx = std::get<1>(at::topk(x2d.abs().amax({0}), k, /*dim=*/-1, /*largest=*/true, /*sorted=*/false));
+  return {x2d.index_fill(1, idx, 0), x2d.index_select(1, idx).to(at::kFloat),
+          w.index_select(1, idx).to(at::kFloat).mul_(w_scale.reshape({-1, 1}))};
+}
+
 at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
-                              const std::optional<at::Tensor>& w_t) {
+                              const std::optional<at::Tensor>& w_t, int64_t outliers) {
   check_operands(w, w_scale, "fp8_linear");
   if (w_t.has_value() && w_t->defined()) check_transposed(*w_t, w, "fp8_linear");  // now, not in the backward
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(1), "fp8_linear: x must be (..., ", w.size(1), "), got ",
                     x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
                    "fp8_linear: x must be bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(outliers >= 0 && outliers <= w.size(1), "fp8_linear: outliers must be a channel count in [0, ",
+                    w.size(1), "], got ", outliers);
   const at::Tensor x2d = x.reshape({-1, w.size(1)});
-  auto [xq, sx] = quantized_activation(x, x2d, reuse);
-  const at::Tensor y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());
+  at::Tensor y;
+  if (outliers > 0 && x2d.size(0) > 0) {
+    if (reuse) {  // counted as any quantization made where reuse was asked for and is not possible
+      auto& cache = activation_cache();
+      std::lock_guard<std::mutex> lock(cache.mu);
+      cache.misses++;
+    }
+    const OutlierSplit split = split_outliers(x2d, w, w_scale, outliers);
+    auto [xq, sx] = quantize_op().call(split.x_rest, std::nullopt);
+    y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());
+    y.add_(at::mm(split.x_out, split.cols.t()));  // in float32, rounded once to y's dtype
+  } else {
+    auto [xq, sx] = quantized_activation(x, x2d, reuse);
+    y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());
+  }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = w.size(0);
   return y.view(sizes);
@@ -338,13 +370,14 @@ namespace {
 class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& w_scale, bool reuse, const std::optional<at::Tensor>& w_t) {
+                            const at::Tensor& w_scale, bool reuse, const std::optional<at::Tensor>& w_t,
+                            int64_t outliers) {
     at::AutoDispatchBelowADInplaceOrView guard;  // below autograd: the reshape and the view are no nodes of their own
     ctx->save_for_backward({w, w_scale});
     ctx->saved_data["sizes"] = x.sizes().vec();
     // Not through save_for_backward: the caller's weight copy, not an activation (see the top of this file).
     if (w_t.has_value() && w_t->defined()) ctx->saved_data["w_t"] = *w_t;
-    return fp8_linear_forward(x, w, w_scale, reuse, w_t);
+    return fp8_linear_forward(x, w, w_scale, reuse, w_t, outliers);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -360,13 +393,13 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
       dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1], w_t)
                .view(ctx->saved_data["sizes"].toIntVector());
     }
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor fp8_linear_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
-                               const std::optional<at::Tensor>& w_t) {
-  return Fp8LinearFunction::apply(x, w, w_scale, reuse, w_t);
+                               const std::optional<at::Tensor>& w_t, int64_t outliers) {
+  return Fp8LinearFunction::apply(x, w, w_scale, reuse, w_t, outliers);
 }
 
 }  // namespace

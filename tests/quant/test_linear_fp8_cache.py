@@ -99,20 +99,64 @@ def test_kept_copy_is_used_and_gives_the_same_bits():
     assert torch.equal(dx.view(16, 64), ops.fp8_linear_dgrad(dy.view(16, 48), w, s))
 
 
-def test_outlier_route_takes_the_kept_copy(graph_names):
-    """outliers > 0 runs the Python Function (the outlier split); its backward takes the same kept copy: no
-    transpose after the first forward, and the same bits as the per-call transpose."""
+def test_outlier_route_is_the_native_node_and_takes_the_kept_copy(graph_names):
+    """outliers > 0 runs in the C++ node (fp8_linear splits the outlier channels off itself: no Python Function); its
+    backward takes the same kept copy: no transpose after the first forward, and the same bits as the per-call
+    transpose."""
     layer, plain = _layer(seed=5, outliers=0.05), _layer(seed=5, outliers=0.05, fp8_transpose_cache=False)
     x, dy = _x(16, 64, 6), torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     y, dx, fwd, bwd = _step(layer, x, dy)
-    assert y.grad_fn.name() != "Fp8LinearFunctionBackward" and "QuantLinearFunction" in " ".join(graph_names(y))
-    assert fwd.count("transpose_bytes") == 1 and bwd.count("fp8_linear_dgrad") == 1
+    assert "Fp8LinearFunction" in y.grad_fn.name() and "QuantLinearFunction" not in " ".join(graph_names(y))
+    assert fwd.count("quantize_rows_e4m3") == 1  # of x with its outlier channels zeroed, inside the node
+    assert fwd.count("transpose_bytes") == 1 and bwd.count("transpose_bytes") == 0  # made once, in the forward
     kept = layer._fp8_wt[2]
-    assert bwd.w_t is kept  # the backward's op got the kept copy (it transposes inside otherwise)
     y2, dx2, fwd, bwd = _step(layer, x, dy)
-    assert fwd.count("transpose_bytes") == 0 and bwd.w_t is kept and torch.equal(y2, y) and torch.equal(dx2, dx)
+    assert fwd.count("transpose_bytes") == 0 and bwd.count("transpose_bytes") == 0  # the kept copy, not a new one
+    assert layer._fp8_wt[2] is kept and torch.equal(y2, y) and torch.equal(dx2, dx)
     y3, dx3, fwd, bwd = _step(plain, x, dy)
-    assert plain._fp8_wt is None and bwd.w_t is None and torch.equal(y3, y) and torch.equal(dx3, dx)
+    assert plain._fp8_wt is None and bwd.count("transpose_bytes") == 1  # transposed per call, in C++
+    assert torch.equal(y3, y) and torch.equal(dx3, dx)
+
+
+@pytest.mark.parametrize("k", [1, 3, 64])
+def test_fp8_linear_outliers_is_the_outlier_decomposition(k):
+    """ops.fp8_linear(..., outliers=k): the k channels of largest max |x| (select_outliers) zeroed in the quantized
+    operand, x[:, I] W_hat[:, I]^T added in float32, one rounding to bf16 -- bit for bit; within bf16 rounding of the
+    Python route (outlier_matmul); the input gradient is the plain layer's (the split does not change it)."""
+    from trainstream_hf.quant.outliers import dequantize_columns, outlier_matmul, select_outliers
+
+    q = quantize(_weight(48, 64, 8), "fp8")
+    w, s = q.tensors["data"], q.tensors["scale"]
+    x = _x(16, 64, 9)
+    x2d = x.reshape(-1, 64)
+    y = ops.fp8_linear(x, w, s, False, None, k)
+    idx = select_outliers(x2d, k)
+    rest = ops.fp8_linear(x2d.index_fill(1, idx, 0), w, s, False)
+    want = rest.add(x2d.index_select(1, idx).float() @ dequantize_columns(q, idx).t()).to(torch.bfloat16)
+    assert y.shape == (2, 8, 48) and torch.equal(y.view(-1, 48), want)
+    python_route = outlier_matmul(x2d, q, k, matmul.FP8_W8A8_SCALED_MM.forward)
+    assert torch.allclose(y.view(-1, 48).float(), python_route, rtol=2 ** -7, atol=1e-6)
+    dy = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    (dx,) = torch.autograd.grad(ops.fp8_linear(xs[0], w, s, False, None, k), xs[0], dy)
+    (dx0,) = torch.autograd.grad(ops.fp8_linear(xs[1], w, s, False), xs[1], dy)
+    assert torch.equal(dx, dx0)
+
+
+def test_fp8_linear_outliers_keeps_no_quantization_and_checks_the_count():
+    q = quantize(_weight(48, 64, 8), "fp8")
+    w, s = q.tensors["data"], q.tensors["scale"]
+    x = _x(16, 64, 9)
+    ops.fp8_linear(x, w, s, True)  # kept: this x's quantization
+    before = ops.fp8_activation_cache()
+    ops.fp8_linear(x, w, s, True, None, 2)  # the split quantizes a temporary: neither kept nor reused (a miss)
+    after = ops.fp8_activation_cache()
+    assert before["kept"] and after == dict(before, misses=before["misses"] + 1)
+    ops.fp8_linear(x, w, s, True)  # the kept one is still x's
+    assert ops.fp8_activation_cache() == dict(after, hits=after["hits"] + 1)
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="outliers must be a channel count in \\[0, 64\\]"):
+            ops.fp8_linear(x, w, s, True, None, bad)
 
 
 def test_made_again_after_the_weight_changes_in_place():

@@ -263,10 +263,15 @@ class QuantLinear(nn.Module):
         q = QuantizedTensor(self.fmt, shape, dict(zip(self.fmt.tensor_names, packed)), self.weight_dtype)
         # the kept transposed FP8 codes for this call's backward (None: the backward transposes, or none needed)
         w_t = self._fp8_transposed(packed[0], x, path, q) if path is matmul.FP8_W8A8_SCALED_MM and x.numel() else None
-        if path.layer is not None and not (k and path.quantizes_activations) and x.numel():
+        split = k and path.quantizes_activations
+        if path.layer is not None and x.numel() and (not split or path.layer_outliers):
             # A path with its own autograd node in C++ (weight-only and FP8 tensor-core layers, csrc/autograd/): no
-            # Python in the backward. The outlier split and empty inputs take the Python Function below.
-            y = path.layer(x, q) if w_t is None else path.layer(x, q, w_t)
+            # Python in the backward; the FP8 one splits the outlier channels off itself. Other outlier splits and
+            # empty inputs take the Python Function below.
+            if split:
+                y = path.layer(x, q, w_t, k)
+            else:
+                y = path.layer(x, q) if w_t is None else path.layer(x, q, w_t)
         if y is None:
             y = _QuantLinearFunction.apply(x, path, self.fmt, shape, self.weight_dtype, k, w_t, *packed)
         bias = params["bias"]

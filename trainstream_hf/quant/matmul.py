@@ -92,9 +92,11 @@ class MatmulPath:
     # (dy (T, N), q) -> dx (T, K) in dy.dtype; the FP8 one also takes (dy, q, w_t) (takes_transposed_weight)
     backward: Callable[..., torch.Tensor]
     # Optional: (x (..., K), q) -> y (..., N) in x.dtype with its own autograd node (forward and backward as above,
-    # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off.
-    # The FP8 one also takes (x, q, w_t): the codes transposed, kept by the caller (takes_transposed_weight).
+    # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off,
+    # or when layer_outliers says it splits them itself. The FP8 one also takes (x, q, w_t, outliers): the codes
+    # transposed, kept by the caller (takes_transposed_weight), and the outlier channel count.
     layer: Callable[..., torch.Tensor | None] | None = None
+    layer_outliers: bool = False  # layer takes outliers=k and splits them off itself
 
 
 def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -337,17 +339,19 @@ def _fp8_scaled_mm_backward(dy: torch.Tensor, q: QuantizedTensor, w_t: torch.Ten
     return ops.fp8_linear_dgrad(dy, q.tensors["data"], q.tensors["scale"], w_t)
 
 
-def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor | None = None
+def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor | None = None, outliers: int = 0
                          ) -> torch.Tensor | None:
     """The whole layer through :func:`trainstream_hf.ops.fp8_linear` (x quantized per row inside, or the kept
     quantization of this very x reused; its autograd node in C++: the backward runs no Python), or None where
-    ``_scaled_mm`` cannot run this call (the caller falls back to the path's forward / backward). Same maths and bits
-    as :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward`. ``w_t``: the codes transposed, (K, N), kept
-    by the caller (:func:`takes_transposed_weight`); the backward then does not transpose them."""
+    ``_scaled_mm`` cannot run this call (the caller falls back to the path's forward / backward). Same maths as
+    :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward` (the same bits where both take the same GEMM).
+    ``w_t``: the codes transposed, (K, N), kept by the caller (:func:`takes_transposed_weight`); the backward then
+    does not transpose them. ``outliers``: that many input channels split off in the op
+    (:func:`trainstream_hf.quant.outliers.outlier_matmul`'s decomposition, the sum rounded once)."""
     if not _scaled_mm_ok(x.dtype, q):
         return None
     t = q.tensors
-    return ops.fp8_linear(x, t["data"], t["scale"], True, w_t)
+    return ops.fp8_linear(x, t["data"], t["scale"], True, w_t, outliers)
 
 
 def takes_transposed_weight(path: MatmulPath, dtype: torch.dtype, q: QuantizedTensor) -> bool:
@@ -360,7 +364,7 @@ def takes_transposed_weight(path: MatmulPath, dtype: torch.dtype, q: QuantizedTe
 DEQUANT = MatmulPath("dequant", False, _dequant_forward, _dequant_backward, _dequant_layer)
 FP8_W8A8_EMULATED = MatmulPath("fp8_w8a8_emulated", True, _fp8_w8a8_forward, _dequant_backward)
 FP8_W8A8_SCALED_MM = MatmulPath("fp8_w8a8_scaled_mm", True, _fp8_scaled_mm_forward, _fp8_scaled_mm_backward,
-                                _fp8_scaled_mm_layer)
+                                _fp8_scaled_mm_layer, layer_outliers=True)
 NVFP4_W4A4_EMULATED = MatmulPath("nvfp4_w4a4_emulated", True, _nvfp4_w4a4_forward, _dequant_backward)
 
 # Formats whose weight has an activation-quantized path (W8A8 / W4A4), and its portable (emulated) form. int8 and nf4
