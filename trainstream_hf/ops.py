@@ -598,9 +598,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
             in step with ``w``: the backward takes it instead of transposing ``w`` on every call (same bits). It is
             held by the autograd node, not saved with ``save_for_backward`` (saved-tensor hooks do not see it).
         outliers: ``k >= 0``; with ``k > 0`` the ``k`` input channels of largest ``max |x|`` over the tokens (picked
-            on the device, no host sync) are zeroed in the quantized operand and multiplied in float32 against their
-            dequantized weight columns, the sum rounded once to x's dtype (:mod:`trainstream_hf.quant.outliers`); that
-            quantization is never kept or reused. The backward is the same.
+            on the device, no host sync) are zeroed in the quantized operand and multiplied in x's dtype (float32
+            accumulation) against their dequantized weight columns, added into the FP8 GEMM's output
+            (:mod:`trainstream_hf.quant.outliers`); that quantization is never kept or reused. The backward is the
+            same.
     """
     return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse, w_t, outliers)
 

@@ -13,11 +13,15 @@
 //       codes, w_scale (N,) float32. reuse: keep this quantization of x for the next call on the same x (below). w_t:
 //       optional, w's codes transposed, (K, N) contiguous, handed to the backward (below); the forward does not read
 //       it. outliers = k > 0: the k input channels of largest max |x| over the tokens (torch.topk on the device: no
-//       host sync, no data-dependent shape) are zeroed in the quantized operand and multiplied in float32 against
-//       their dequantized weight columns, y = bf16(fp8 GEMM(x with them zeroed) + x[:, I] W_hat[:, I]^T), the sum
-//       in float32 (trainstream_hf/quant/outliers.py's decomposition, as one op: its Python autograd Function cost
-//       host time per layer call; this runs torch's ops from C++ and keeps the C++ backward, which the split does
-//       not change: dx = dy W_hat). That quantization is a temporary, never kept or reused (with reuse, a miss).
+//       host sync, no data-dependent shape) are zeroed in the quantized operand and multiplied in x's dtype against
+//       their dequantized weight columns (rounded to x's dtype; x's values are exact), float32 accumulation, added
+//       into the FP8 GEMM's output by one addmm_: y = fp8 GEMM(x with them zeroed) + x[:, I] W_hat[:, I]^T
+//       (trainstream_hf/quant/outliers.py's decomposition, as one op: its Python autograd Function cost host time
+//       per layer call; this runs torch's ops from C++ and keeps the C++ backward, which the split does not change:
+//       dx = dy W_hat). On CUDA that addmm_ rounds the outlier product to x's dtype before adding it (measured,
+//       csrc/autograd/dequant_linear.cpp's LoRA header): two roundings of y instead of one, on the tensor cores
+//       instead of a float32 GEMM and two float32 (T, N) passes. That quantization is a temporary, never kept or
+//       reused (with reuse, a miss).
 //   fp8_linear_dgrad(dy, w, w_scale, w_t) -> dx = _scaled_mm(e4m3(dy * w_scale) per row, w (column-major), scale_a =
 //       s_g, scale_b = ones (1, K)) in dy's dtype, dy (T, N): the straight-through input gradient (maths in matmul.py).
 //
@@ -308,13 +312,13 @@ std::vector<int64_t> fp8_activation_cache(bool clear) {
 
 // The outlier split of x2d (T, K) for k channels (see the top of this file): y = GEMM(x_rest) + x_out cols^T.
 struct OutlierSplit {
-  at::Tensor x_rest, x_out, cols;  // (T, K) x.dtype; (T, k) float32; (N, k) float32 = dequantize(w)[:, I]
+  at::Tensor x_rest, x_out, cols;  // (T, K), (T, k), (N, k) = dequantize(w, x.dtype)[:, I], all in x's dtype
 };
 
 OutlierSplit split_outliers(const at::Tensor& x2d, const at::Tensor& w, const at::Tensor& w_scale, int64_t k) {
   const at::Tensor idx = std::get<1>(at::topk(x2d.abs().amax({0}), k, /*dim=*/-1, /*largest=*/true, /*sorted=*/false));
-  return {x2d.index_fill(1, idx, 0), x2d.index_select(1, idx).to(at::kFloat),
-          w.index_select(1, idx).to(at::kFloat).mul_(w_scale.reshape({-1, 1}))};
+  return {x2d.index_fill(1, idx, 0), x2d.index_select(1, idx),
+          w.index_select(1, idx).to(at::kFloat).mul_(w_scale.reshape({-1, 1})).to(x2d.scalar_type())};
 }
 
 at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, bool reuse,
@@ -338,7 +342,7 @@ at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at
     const OutlierSplit split = split_outliers(x2d, w, w_scale, outliers);
     auto [xq, sx] = quantize_op().call(split.x_rest, std::nullopt);
     y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());
-    y.add_(at::mm(split.x_out, split.cols.t()));  // in float32, rounded once to y's dtype
+    y.addmm_(split.x_out, split.cols.t());
   } else {
     auto [xq, sx] = quantized_activation(x, x2d, reuse);
     y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());

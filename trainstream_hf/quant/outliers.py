@@ -22,9 +22,10 @@ exactly, and it is only k / K of the GEMM.
 The gradient is unchanged by the split (``dx = dy W_hat``, see :mod:`trainstream_hf.quant.matmul`).
 
 On the FP8 tensor-core path (``fp8_w8a8_scaled_mm``) the same decomposition runs inside the layer's C++ op
-(:func:`trainstream_hf.ops.fp8_linear` with ``outliers=k``): the float32 outlier product is added to the FP8 GEMM's
-16-bit output, rounded once. As the Python route here (an autograd Function, ~20 dispatched ops from Python per layer
-call) it cost 1.9x a bf16 layer's time on one Llama-3-8B block on the H100 (quant-h100-a200522.json); the other
+(:func:`trainstream_hf.ops.fp8_linear` with ``outliers=k``), the outlier product in the activations' 16-bit dtype
+(the chosen columns rounded to it) on the tensor cores, float32 accumulation, added into the FP8 GEMM's output by
+one ``addmm_``. As the Python route here (an autograd Function, ~20 dispatched ops from Python per layer call) it cost
+1.88x a bf16 layer's time on one Llama-3-8B block on the H100 (quant-h100-a200522.json); the other
 activation-quantized path (NVFP4 W4A4, emulated) still takes :func:`outlier_matmul`.
 """
 from __future__ import annotations
