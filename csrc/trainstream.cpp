@@ -51,7 +51,7 @@ TORCH_LIBRARY(trainstream, m) {
   // dtype, x (..., K) quantized per row inside (or the kept quantization of this very x reused), differentiable in x
   // (its backward is fp8_linear_dgrad), and the input gradient dy -> dx alone. w_t: w's codes transposed, (K, N)
   // contiguous, kept by the caller; the backward takes it instead of transposing w on every call. outliers = k > 0:
-  // the k input channels of largest max |x| bypass the quantization, multiplied in float32.
+  // the k input channels of largest max |x| bypass the quantization, multiplied in x's dtype (float32 accumulation).
   m.def("fp8_linear(Tensor x, Tensor w, Tensor w_scale, bool reuse=True, Tensor? w_t=None, int outliers=0) -> Tensor");
   m.def("fp8_linear_dgrad(Tensor dy, Tensor w, Tensor w_scale, Tensor? w_t=None) -> Tensor");
   // a (M, K) x b (N, K)^T with row-wise float32 scales scale_a (M), scale_b (N), float8_e4m3fn operands, on cuBLASLt

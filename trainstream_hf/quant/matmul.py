@@ -347,7 +347,8 @@ def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor 
     :func:`_fp8_scaled_mm_forward` / :func:`_fp8_scaled_mm_backward` (the same bits where both take the same GEMM).
     ``w_t``: the codes transposed, (K, N), kept by the caller (:func:`takes_transposed_weight`); the backward then
     does not transpose them. ``outliers``: that many input channels split off in the op
-    (:func:`trainstream_hf.quant.outliers.outlier_matmul`'s decomposition, the sum rounded once)."""
+    (:func:`trainstream_hf.quant.outliers.outlier_matmul`'s decomposition, the outlier product in x's dtype on the
+    tensor cores where outlier_matmul takes float32: within bf16 rounding of it, not its bits)."""
     if not _scaled_mm_ok(x.dtype, q):
         return None
     t = q.tensors
