@@ -65,6 +65,7 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -310,14 +311,18 @@ std::vector<int64_t> fp8_activation_cache(bool clear) {
   return {cache.kept.has_value() ? 1 : 0, cache.hits, cache.misses};
 }
 
-// The outlier split of x2d (T, K) for k channels (see the top of this file): y = GEMM(x_rest) + x_out cols^T.
+// The outlier split of x2d (T, K) for k channels (see the top of this file): y = GEMM(e4m3(x2d * keep)) + x_out cols^T.
+// keep (K,) float32 is 1 but 0 on the chosen channels: quantize_rows_e4m3's column scale zeroes them as it reads x
+// (no zeroed copy of x; +-0 codes, the same values). The channels' max |x| is one inf-norm reduction (no |x| copy),
+// the same values and so the same choice as trainstream_hf/quant/outliers.py's select_outliers.
 struct OutlierSplit {
-  at::Tensor x_rest, x_out, cols;  // (T, K), (T, k), (N, k) = dequantize(w, x.dtype)[:, I], all in x's dtype
+  at::Tensor keep, x_out, cols;  // (K,) float32; (T, k), (N, k) = dequantize(w, x.dtype)[:, I] in x's dtype
 };
 
 OutlierSplit split_outliers(const at::Tensor& x2d, const at::Tensor& w, const at::Tensor& w_scale, int64_t k) {
-  const at::Tensor idx = std::get<1>(at::topk(x2d.abs().amax({0}), k, /*dim=*/-1, /*largest=*/true, /*sorted=*/false));
-  return {x2d.index_fill(1, idx, 0), x2d.index_select(1, idx),
+  const at::Tensor amax = at::linalg_vector_norm(x2d, INFINITY, at::IntArrayRef{0}, false, std::nullopt);
+  const at::Tensor idx = std::get<1>(at::topk(amax, k, /*dim=*/-1, /*largest=*/true, /*sorted=*/false));
+  return {at::ones({x2d.size(1)}, x2d.options().dtype(at::kFloat)).index_fill_(0, idx, 0), x2d.index_select(1, idx),
           w.index_select(1, idx).to(at::kFloat).mul_(w_scale.reshape({-1, 1})).to(x2d.scalar_type())};
 }
 
@@ -340,7 +345,7 @@ at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at
       cache.misses++;
     }
     const OutlierSplit split = split_outliers(x2d, w, w_scale, outliers);
-    auto [xq, sx] = quantize_op().call(split.x_rest, std::nullopt);
+    auto [xq, sx] = quantize_op().call(x2d, std::optional<at::Tensor>(split.keep));
     y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());
     y.addmm_(split.x_out, split.cols.t());
   } else {
