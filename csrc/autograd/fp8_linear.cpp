@@ -149,15 +149,19 @@ bool same(const KeptActivation& k, const at::Tensor& x, c10::StreamId stream) {
          k.stream == stream;
 }
 
+// Counts a quantization made where reuse was asked for but is not possible here.
+void count_miss() {
+  auto& cache = activation_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cache.misses++;
+}
+
 // quantize_rows_e4m3(x2d), or the kept result for this very x (x2d = x.reshape(-1, K)).
 std::tuple<at::Tensor, at::Tensor> quantized_activation(const at::Tensor& x, const at::Tensor& x2d, bool reuse) {
   auto& cache = activation_cache();
   const bool keep = reuse && !x.is_inference() && !capturing(x.device().type());
   if (!keep) {
-    if (reuse) {  // asked for, but not allowed here: a quantization made where one could have been reused
-      std::lock_guard<std::mutex> lock(cache.mu);
-      cache.misses++;
-    }
+    if (reuse) count_miss();  // asked for, but not allowed here
   } else {
     const c10::StreamId stream = current_stream(x.device());
     std::unique_lock<std::mutex> lock(cache.mu);
@@ -339,11 +343,7 @@ at::Tensor fp8_linear_forward(const at::Tensor& x, const at::Tensor& w, const at
   const at::Tensor x2d = x.reshape({-1, w.size(1)});
   at::Tensor y;
   if (outliers > 0 && x2d.size(0) > 0) {
-    if (reuse) {  // counted as any quantization made where reuse was asked for and is not possible
-      auto& cache = activation_cache();
-      std::lock_guard<std::mutex> lock(cache.mu);
-      cache.misses++;
-    }
+    if (reuse) count_miss();  // the split quantizes a temporary
     const OutlierSplit split = split_outliers(x2d, w, w_scale, outliers);
     auto [xq, sx] = quantize_op().call(x2d, std::optional<at::Tensor>(split.keep));
     y = scaled_mm_rowwise(aligned(xq), aligned(w), aligned(sx), aligned(w_scale), x.scalar_type());

@@ -266,12 +266,9 @@ class QuantLinear(nn.Module):
         split = k and path.quantizes_activations
         if path.layer is not None and x.numel() and (not split or path.layer_outliers):
             # A path with its own autograd node in C++ (weight-only and FP8 tensor-core layers, csrc/autograd/): no
-            # Python in the backward; the FP8 one splits the outlier channels off itself. Other outlier splits and
-            # empty inputs take the Python Function below.
-            if split:
-                y = path.layer(x, q, w_t, k)
-            else:
-                y = path.layer(x, q) if w_t is None else path.layer(x, q, w_t)
+            # Python in the backward; the FP8 one takes the kept transposed codes and splits the outlier channels off
+            # itself. Other outlier splits and empty inputs take the Python Function below.
+            y = path.layer(x, q, w_t, k) if path.layer_outliers else path.layer(x, q)
         if y is None:
             y = _QuantLinearFunction.apply(x, path, self.fmt, shape, self.weight_dtype, k, w_t, *packed)
         bias = params["bias"]

@@ -93,10 +93,11 @@ class MatmulPath:
     backward: Callable[..., torch.Tensor]
     # Optional: (x (..., K), q) -> y (..., N) in x.dtype with its own autograd node (forward and backward as above,
     # the node in C++), or None where it cannot take this call; QuantLinear uses it when no outliers are split off,
-    # or when layer_outliers says it splits them itself. The FP8 one also takes (x, q, w_t, outliers): the codes
-    # transposed, kept by the caller (takes_transposed_weight), and the outlier channel count.
+    # or when layer_outliers says it splits them itself.
     layer: Callable[..., torch.Tensor | None] | None = None
-    layer_outliers: bool = False  # layer takes outliers=k and splits them off itself
+    # layer is (x, q, w_t, outliers) (the FP8 one): the codes transposed, kept by the caller, or None
+    # (takes_transposed_weight), and the outlier channel count, split off inside
+    layer_outliers: bool = False
 
 
 def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
