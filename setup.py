@@ -7,6 +7,8 @@ Switches (environment variables):
   TORCH_CUDA_ARCH_LIST   respected; default "9.0" plus 10.0 / 12.0 where the nvcc in use supports them.
   DEBUG=1                -O0 -g, no NDEBUG.
   MAX_JOBS               parallel compile jobs (ninja).
+  TRAINSTREAM_SKIP_EXT=1 install the Python package without building the extension (the Makefile's install
+                         step: `make build` then compiles it once, in place, incrementally).
 """
 import glob
 import os
@@ -110,6 +112,6 @@ else:
     )
 
 setup(
-    ext_modules=[ext],
+    ext_modules=[] if _flag("TRAINSTREAM_SKIP_EXT", False) else [ext],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )
