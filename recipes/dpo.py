@@ -9,7 +9,8 @@ a dropped or a repeated character; ``dpo.corruptions``, seeded), builds the mode
 pairs (made from ``data.test_file`` the same way) before and after training: the DPO loss, the implicit-reward
 accuracy and margin, and how often the policy gives the chosen completion the higher log-probability, per kind of
 corruption too. With ``wrap`` true the engine (the ``trainstream`` section) is installed for the training steps.
-Prints a summary and writes it to ``<output_dir>/summary.json``. ``python recipes/dpo.py --help`` lists every option.
+Prints a summary and writes it to ``<output_dir>/summary.json``. ``python recipes/dpo.py --help`` lists every option;
+without ``--config`` it runs configs/dpo-tiny-cpu.yaml (the demo) and says so.
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from trl import DPOConfig as TRLDPOConfig
 
 from trainstream_hf.integrations.trl import TrainStreamDPOTrainer
 from trainstream_hf.train import align, data, evaluate, model as models, report
-from trainstream_hf.train.config import run_cli
+from trainstream_hf.train.config import run_cli, with_default_config
 from trainstream_hf.train.schema import DPOConfig
+
+DEMO = "configs/dpo-tiny-cpu.yaml"
 
 SHOWN = {"loss": "loss", "rewards/accuracies": "acc", "rewards/margins": "margin"}
 LOGGED = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
@@ -27,7 +30,7 @@ LOGGED = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "re
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = align.setup("dpo", DPOConfig, argv, __doc__)
+    run = align.setup("dpo", DPOConfig, with_default_config(argv, DEMO, "recipes/dpo.py"), __doc__)
     cfg, tok, dc = run.cfg, run.tokenizer, run.cfg.dpo
     pairs = data.preference_pairs(data.load_examples(cfg.data.train_file), dc.corruptions, seed=cfg.seed)
     chosen, rejected = data.tokenize_pairs(pairs, tok, cfg.data.max_length)  # too long: an error now, not a cut

@@ -11,7 +11,8 @@ trainstream_hf/train/rewards.py), and pushes the policy towards the completions 
 (``data.test_file``) are completed greedily before and after training and scored by the same rewards and exact
 match. With ``wrap`` true the engine (the ``trainstream`` section) is installed for the training steps. Prints a
 summary, the mean sampled reward over the steps included, and writes it to ``<output_dir>/summary.json``.
-``python recipes/grpo.py --help`` lists every option.
+``python recipes/grpo.py --help`` lists every option; without ``--config`` it runs configs/grpo-tiny-cpu.yaml (the
+demo) and says so.
 """
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ from trl import GRPOConfig as TRLGRPOConfig
 
 from trainstream_hf.integrations.trl import TrainStreamGRPOTrainer
 from trainstream_hf.train import align, data, evaluate, model as models, report, rewards
-from trainstream_hf.train.config import run_cli
+from trainstream_hf.train.config import run_cli, with_default_config
 from trainstream_hf.train.schema import GRPOConfig
+
+DEMO = "configs/grpo-tiny-cpu.yaml"
 
 SHOWN = {"reward": "reward", "completions/mean_length": "length", "kl": "kl"}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = align.setup("grpo", GRPOConfig, argv, __doc__)
+    run = align.setup("grpo", GRPOConfig, with_default_config(argv, DEMO, "recipes/grpo.py"), __doc__)
     cfg, tok, gc = run.cfg, run.tokenizer, run.cfg.grpo
     prompts = data.prompts_with_answers(data.load_examples(cfg.data.train_file))
     longest = data.check_prompt_lengths(prompts["prompt"], tok, gc.max_completion_length, cfg.data.max_length)

@@ -20,13 +20,13 @@ either loop trains data parallel (trainstream_hf/train/processes.py): a replica 
 global batch (``train.batch_size`` per process), wrapped by the engine with DistributedDataParallel around it (the
 plain loop builds it; the Trainer's Accelerate does, after the engine went in); rank 0 evaluates and writes the
 summary, which gathers every process's step times and host memory.
-``python recipes/sft.py --help`` lists every option.
+``python recipes/sft.py --help`` lists every option; without ``--config`` it runs configs/sft-tiny-cpu.yaml (the demo)
+and says so.
 """
 from __future__ import annotations
 
 import shlex
 import statistics
-import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -40,13 +40,15 @@ from transformers.trainer_callback import ProgressCallback
 import trainstream_hf
 from trainstream_hf.integrations.transformers import TrainStreamTrainer, TrainStreamTrainingArguments
 from trainstream_hf.train import align, data, evaluate, model as models, processes, report
-from trainstream_hf.train.config import ConfigError, parse_args, run_cli, to_dict
+from trainstream_hf.train.config import ConfigError, parse_args, run_cli, to_dict, with_default_config
 from trainstream_hf.train.schema import SFTConfig
+
+DEMO = "configs/sft-tiny-cpu.yaml"
 
 
 def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = with_default_config(argv, DEMO, "recipes/sft.py")
     command = shlex.join(["python", "recipes/sft.py", *argv])
     cfg = parse_args(SFTConfig, argv, description=__doc__)
     # Everything the run reads or writes is checked before the model is built; nothing is written before training
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
         # The Trainer trains on the process's first visible GPU (under several processes: on GPU LOCAL_RANK).
         raise ConfigError(f"device={cfg.device!r}: loop 'trainer' trains on cuda:0; pick the GPU with "
                           "CUDA_VISIBLE_DEVICES instead")
-    report.check_output_dir(cfg.output_dir)
+    if procs.main:  # the one that writes; a check on every rank would race over the probe's directory
+        report.check_output_dir(cfg.output_dir)
     datasets.disable_progress_bars()  # one bar: the training loop's
     tokenizer = data.load_tokenizer(cfg.data.tokenizer)
     train_rows = data.tokenize(data.load_examples(cfg.data.train_file), tokenizer, cfg.data.max_length)

@@ -23,14 +23,18 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "build", "load", "parse_args", "parse_overrides", "to_dict", "help_text",
-           "read_command_comment"]
+__all__ = ["ConfigError", "MissingFileError", "build", "load", "parse_args", "parse_overrides", "to_dict",
+           "help_text", "read_command_comment", "with_default_config"]
 
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """An option that does not exist, or a value of the wrong type or outside the allowed values."""
+
+
+class MissingFileError(ConfigError, FileNotFoundError):
+    """An option names a file that is not there (a ConfigError, and a FileNotFoundError as ``open`` would raise)."""
 
 
 # -- reading ------------------------------------------------------------------------------------------
@@ -113,6 +117,24 @@ def parse_args(cls: type[T], argv: list[str] | None = None, *, description: str 
             rest.append(argv[i])
             i += 1
     return load(cls, path, parse_overrides(rest))
+
+
+def with_default_config(argv: list[str] | None, default: str, prog: str) -> list[str]:
+    """``argv`` (None: ``sys.argv[1:]``) with ``--config default`` in front when it names no config, after one line on
+    stderr saying so: a recipe run bare runs its demo, and says which file that is, rather than options nobody chose.
+
+    Raises:
+        ConfigError: no --config, and ``default`` is not there (the recipes run from the repository root).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "--config") or a.startswith("--config=") for a in argv):
+        return argv
+    if not Path(default).is_file():
+        raise ConfigError(f"no --config given, and the demo config {default} is not under {str(Path.cwd())!r}: run "
+                          "from the repository root, or pass --config <file>")
+    print(f"{prog}: no --config given; running {default} (the demo). Pass --config <file> to choose another.",
+          file=sys.stderr, flush=True)
+    return ["--config", default, *argv]
 
 
 # -- building and type checking -------------------------------------------------------------------------

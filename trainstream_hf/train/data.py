@@ -1,4 +1,4 @@
-"""Local prompt-completion data: loading with ``datasets``, tokenizing, batching; the preference pairs and the
+"""Local prompt-completion data: reading (every line checked), tokenizing, batching; the preference pairs and the
 prompts the dpo and grpo recipes derive from it.
 
 Examples are ``{"prompt": ..., "completion": ...}`` JSON lines (TRL's prompt-completion format). A training
@@ -13,6 +13,7 @@ deterministically, so no second copy of the data is shipped.
 """
 from __future__ import annotations
 
+import json
 import random
 import string
 from pathlib import Path
@@ -20,9 +21,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from trainstream_hf.train.config import ConfigError
+from trainstream_hf.train.config import ConfigError, MissingFileError
 
-__all__ = ["load_tokenizer", "load_examples", "tokenize", "pack", "collate", "batches", "CORRUPT",
+__all__ = ["load_tokenizer", "load_examples", "read_jsonl", "tokenize", "pack", "collate", "batches", "CORRUPT",
            "preference_pairs", "tokenize_pairs", "prompts_with_answers", "check_prompt_lengths"]
 
 IGNORE = -100
@@ -43,26 +44,84 @@ def load_tokenizer(path: str):
     return tok
 
 
+FIELDS = ("prompt", "completion")
+FORMAT = ('one JSON object per line with "prompt" and "completion" strings, e.g. '
+          '{"prompt": "rev(abc)=", "completion": "cba"}')
+
+
 def load_examples(path: str, *, option: str = "data.train_file", limit: int = 0):
     """The JSON-lines file at ``path`` as a ``datasets.Dataset`` with ``prompt`` and ``completion`` columns.
+
+    Every line is checked here, before ``datasets`` sees the file (its errors name neither the file nor the line, and
+    an empty file gives a bare StopIteration); other keys of a line are ignored.
 
     Args:
         path: a local .jsonl file.
         option: the config option that named it, for error messages.
-        limit: keep only the first ``limit`` rows (0: all).
-    """
-    from datasets import load_dataset
+        limit: keep only the first ``limit`` rows (0: all); the whole file is checked all the same.
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{option}: no such file {path!r}")
-    ds = load_dataset("json", data_files=str(path), split="train")
-    missing = {"prompt", "completion"} - set(ds.column_names)
-    if missing:
-        raise ConfigError(f"{option}: {path!r} lacks the column(s) {sorted(missing)}; each line needs 'prompt' "
-                         f"and 'completion' (found {ds.column_names})")
-    if limit and limit < len(ds):
-        ds = ds.select(range(limit))
-    return ds
+    Raises:
+        MissingFileError: no such file.
+        ConfigError: the file is empty or blank, or a line is not a JSON object with ``prompt`` and ``completion``
+            strings; naming the option, the file, the (1-based) line and the format expected.
+    """
+    from datasets import Dataset
+
+    columns = read_jsonl(path, option=option)
+    if limit:
+        columns = {k: v[:limit] for k, v in columns.items()}
+    return Dataset.from_dict(columns)
+
+
+def _json_kind(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def read_jsonl(path: str, *, option: str = "data.train_file", fields: tuple[str, ...] = FIELDS
+               ) -> dict[str, list[str]]:
+    """The ``fields`` of every line of a JSON-lines file, as columns; blank lines are skipped.
+
+    Raises:
+        MissingFileError, ConfigError: as :func:`load_examples` says.
+    """
+    p = Path(path)
+    where = f"{option}: {str(path)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{where} is a directory; expected a JSON-lines file: {FORMAT}")
+    if not p.is_file():
+        raise MissingFileError(f"{option}: no such file {str(path)!r}; expected a JSON-lines file: {FORMAT}")
+    columns: dict[str, list[str]] = {f: [] for f in fields}
+    n = 0
+    with open(p, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{where} line {n} is not UTF-8 text; expected {FORMAT}") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where} line {n} is not valid JSON ({e.msg} at column {e.colno}); "
+                                  f"expected {FORMAT}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where} line {n} is a JSON {_json_kind(row)}, not an object; expected {FORMAT}")
+            missing = [k for k in fields if k not in row]
+            if missing:
+                names = " or ".join(f'"{k}"' for k in missing)
+                raise ConfigError(f"{where} line {n} has no {names} (its keys: {', '.join(row) or 'none'}); "
+                                  f"expected {FORMAT}")
+            for k in fields:
+                if not isinstance(row[k], str):
+                    raise ConfigError(f'{where} line {n}: "{k}" is a {_json_kind(row[k])}, not a string; '
+                                      f"expected {FORMAT}")
+                columns[k].append(row[k])
+    if not columns[fields[0]]:
+        what = "is empty" if n == 0 else f"holds only blank lines ({n})"
+        raise ConfigError(f"{where} {what}; expected {FORMAT}")
+    return columns
 
 
 def tokenize(ds, tokenizer, max_length: int) -> list[dict[str, list[int]]]:

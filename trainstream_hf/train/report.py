@@ -8,11 +8,13 @@ import platform
 import resource
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from trainstream_hf.provenance import git_commit
+from trainstream_hf.train.config import ConfigError
 
 __all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "check_output_dir", "write_summary",
            "format_summary", "format_dpo_summary", "format_grpo_summary", "format_table", "format_run"]
@@ -109,22 +111,48 @@ def run_info(device: torch.device, command: str) -> dict:
 
 
 def check_output_dir(output_dir: str) -> None:
-    """Fails now, before any work, if ``output_dir`` could not be written at the end: it is a file, or its nearest
-    existing ancestor is not a writable directory. Creates nothing.
+    """Fails now, before any work, unless ``output_dir`` can be written at the end: makes it (and any missing
+    parents), creates and deletes a file in it, then removes the directories it made. Permission bits alone do not
+    tell (root passes ``os.access`` where ``/proc`` still refuses every new file), so the check writes for real; it
+    leaves nothing behind, whether it passes or fails.
 
     Raises:
-        NotADirectoryError, PermissionError: with the option's name and the path.
+        NotADirectoryError: ``output_dir`` or one of its ancestors is a file.
+        ConfigError: the directory cannot be made or written in; naming the path and the reason.
     """
     path = Path(output_dir).absolute()
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"output_dir: {output_dir!r} exists and is not a directory")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise NotADirectoryError(f"output_dir: {output_dir!r} cannot be created: {str(probe)!r} is a file")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"output_dir: {output_dir!r} cannot be written ({str(probe)!r} is not writable)")
+    missing = []  # deepest first
+    parent = path
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"output_dir: {output_dir!r} cannot be created: {str(parent)!r} is a file")
+    made: list[Path] = []
+    step = ""
+    try:
+        for d in reversed(missing):
+            step = f"making {str(d)!r}"
+            try:
+                d.mkdir()
+            except FileExistsError:  # made meanwhile by another process: not ours to remove
+                continue
+            made.append(d)
+        step = "creating a file in it"
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"output_dir: {output_dir!r} cannot be written ({step}: {e.strerror or e}); pass "
+                          "--output_dir a directory you can create files in") from None
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def write_summary(summary: dict, output_dir: str) -> Path:
