@@ -30,13 +30,16 @@ How a weight is loaded, layer by layer:
 
 The packed weights are bit-identical to ``quantize_model`` applied to the same model loaded in the same dtype.
 The weights go where ``device_map`` puts them; placing them in the engine's host arena is ``wrap``'s job afterwards
-(not done at load time yet). Saving a model loaded this way is refused (``is_serializable`` is False): the packed
-layout is this package's own; save the adapter (PEFT) or the original checkpoint. Checkpoints saved with a
-``quantization_config`` of this kind are not loadable as pre-quantized either.
+(not done at load time yet). ``save_pretrained`` of a model loaded this way is refused with an error that says what to
+do (:data:`NOT_SERIALIZABLE`): the packed layout is this package's own; save the adapters (PEFT) or the original
+checkpoint. Adapters added through transformers' own PEFT integration (``model.add_adapter``) are saved as usual.
+Checkpoints saved with a ``quantization_config`` of this kind are not loadable as pre-quantized either.
 """
 from __future__ import annotations
 
+import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -51,9 +54,19 @@ from trainstream_hf.quant.formats import FORMATS, get_format, quantize
 from trainstream_hf.quant.linear import QuantLinear, _is_conv1d
 from trainstream_hf.quant.model import _is_target, _skipped
 
-__all__ = ["TrainStreamQuantizationConfig", "TrainStreamHfQuantizer", "LoadedQuantLinear", "QUANT_METHOD"]
+__all__ = ["TrainStreamQuantizationConfig", "TrainStreamHfQuantizer", "LoadedQuantLinear", "QUANT_METHOD",
+           "NOT_SERIALIZABLE"]
 
 QUANT_METHOD = "trainstream"
+
+NOT_SERIALIZABLE = (
+    "trainstream: save_pretrained cannot write this model: its linear layers are packed ({fmt}) in trainstream_hf's "
+    "own layout, which no checkpoint format holds. Save what was trained instead: the adapters "
+    "(peft_model.save_pretrained(dir), or save_pretrained on a model given adapters with model.add_adapter(...)); for "
+    "full weights, load the original checkpoint without quantization_config, apply the adapters "
+    "(PeftModel.from_pretrained(model, dir).merge_and_unload()) and save that")
+
+logger = logging.getLogger("trainstream_hf")
 
 
 class TrainStreamQuantizationConfig(QuantizationConfigMixin):
@@ -155,6 +168,7 @@ class TrainStreamHfQuantizer(HfQuantizer):
                              "bf16 / fp16 checkpoint with quantization_config=TrainStreamQuantizationConfig(...)")
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
+        self._model = weakref.ref(model)  # for is_serializable: whether save_pretrained writes adapters only
         q = self.quantization_config
         fmt = get_format(q.quantize)
         skip = tuple(q.skip) + tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
@@ -206,6 +220,24 @@ class TrainStreamHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, **kwargs: Any) -> bool:
+        """Never: the packed layout is this package's own. transformers (5.24, 5.25) asks only from ``save_pretrained``,
+        which then refuses with "check out the warnings from the logger"; this raises the reason and what to do
+        instead.
+
+        A model given adapters through transformers' PEFT integration (``add_adapter``) saves only them: no error
+        then. A model this quantizer no longer belongs to (a copy) gets the reason as a logged warning, before
+        transformers' refusal.
+
+        Raises:
+            ValueError: :data:`NOT_SERIALIZABLE`, when ``save_pretrained`` would refuse.
+        """
+        ref = getattr(self, "_model", None)
+        model = ref() if ref is not None else None
+        message = NOT_SERIALIZABLE.format(fmt=self.quantization_config.quantize)
+        if model is None or getattr(model, "hf_quantizer", None) is not self:
+            logger.warning(message)
+        elif not getattr(model, "_hf_peft_config_loaded", False):
+            raise ValueError(message)
         return False
 
     @property
