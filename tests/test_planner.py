@@ -160,10 +160,12 @@ def test_budget_fitting_weights_but_not_activations_offloads_first_activations()
 def test_smaller_budget_pages_weights_too():
     model = _llama()
     # Without recompute the activations of every block go to the host first, then the first blocks' weights.
-    acts_out = _plan(model, offload_optimizer=False, offload_activations=True)
+    # (min_offload_numel=0: by default paging leaves this tiny model's trainable matrices on the device.)
+    acts_out = _plan(model, offload_optimizer=False, offload_activations=True, min_offload_numel=0)
     w = acts_out.blocks[0].weight_bytes
     budget = acts_out.margin + acts_out.predicted_peak() - w
-    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=False)
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=False,
+               min_offload_numel=0)
     assert pl.offloaded_activation_blocks == list(range(len(pl.blocks)))
     moved = _assert_minimal_prefix(pl, "weights")
     assert 0 < len(moved) < len(pl.blocks)
@@ -174,10 +176,10 @@ def test_paged_plan_recomputes_instead_of_offloading_activations():
     """Once weights are paged the H2D link is the bottleneck: activations are recomputed, not sent over it, and
     the budget left after paging goes to the last blocks' activations."""
     model = _llama(layers=6)
-    recomputed = _plan(model, offload_optimizer=False, recompute=True)
+    recomputed = _plan(model, offload_optimizer=False, recompute=True, min_offload_numel=0)
     w = recomputed.blocks[0].weight_bytes
     budget = recomputed.margin + recomputed.predicted_peak() - w
-    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0)
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, min_offload_numel=0)
     assert pl.offloaded_activation_blocks == []
     moved = _assert_minimal_prefix(pl, "weights")
     assert 0 < len(moved) < len(pl.blocks)
@@ -189,7 +191,8 @@ def test_paged_plan_recomputes_instead_of_offloading_activations():
     more.blocks[len(pl.blocks) - len(kept) - 1].activations = "device"
     assert not more.fits()
     # Fewer bytes over PCIe than the same budget with activations offloaded (recompute=False).
-    offloading = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=False)
+    offloading = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=False,
+                       min_offload_numel=0)
     assert pl.pcie_bytes() < offloading.pcie_bytes()
 
 
@@ -197,8 +200,9 @@ def test_paged_plan_needs_no_more_than_the_offload_layout():
     """At the budget of the offload-everything, page-everything layout the auto plan fits, with no more PCIe
     traffic (here recomputing every block fits without paging at all: it never holds two blocks' activations)."""
     model = _llama()
-    lowest = _plan(model, offload_optimizer=False, offload_activations=True, page_weights=True)
-    pl = _plan(model, vram_budget=lowest.predicted_peak() + lowest.margin, offload_optimizer=False)
+    lowest = _plan(model, offload_optimizer=False, offload_activations=True, page_weights=True, min_offload_numel=0)
+    pl = _plan(model, vram_budget=lowest.predicted_peak() + lowest.margin, offload_optimizer=False,
+               min_offload_numel=0)
     assert pl.fits() and pl.pcie_bytes() <= lowest.pcie_bytes()
     assert pl.predicted_peak() <= lowest.predicted_peak()
 
@@ -280,9 +284,10 @@ def test_activation_bytes_override_is_used_in_every_block():
 def test_predicted_peak_contract():
     """Moving a block to the host never raises the peak, except the first one: the first offloaded block may
     add its transient (two blocks' activations on the device at a time: at most one block more than it
-    saves) and the first paged block adds the weight ring (slots x the largest paged block, less itself)."""
+    saves) and the first paged block adds the weight ring (slots x the largest paged block in the pager's layout,
+    less the block's own device bytes)."""
     model = _llama(layers=6)
-    base = _plan(model, offload_optimizer=False)
+    base = _plan(model, offload_optimizer=False, min_offload_numel=0)
     a = max(b.activation_bytes for b in base.blocks)
     pl = copy.deepcopy(base)
     peaks = [pl.predicted_peak()]
@@ -294,12 +299,13 @@ def test_predicted_peak_contract():
     assert peaks[-1] < peaks[0]
 
     pl.slots = 2
-    w = pl.blocks[0].weight_bytes
+    w, h = pl.blocks[0].weight_bytes, pl.blocks[0].host_weight_bytes()
+    assert w <= h < w + 256 * sum(1 for _ in find_blocks(model)[0].parameters())  # aligned offsets, as the pager's
     peaks = [pl.predicted_peak()]
     for b in pl.blocks:
         b.weights = "host"
         peaks.append(pl.predicted_peak())
-    assert peaks[1] - peaks[0] == (pl.slots - 1) * w
+    assert peaks[1] - peaks[0] == pl.slots * h - w
     assert all(q <= p for p, q in zip(peaks[1:], peaks[2:])), peaks
     assert peaks[-1] < peaks[0]
 
@@ -315,7 +321,7 @@ def test_predicted_peak_contract():
 
 def test_plan_str_has_header_and_a_row_per_block():
     model = _llama(layers=5)
-    pl = _plan(model, offload_activations=True, page_weights=True)
+    pl = _plan(model, offload_activations=True, page_weights=True, min_offload_numel=0)
     lines = str(pl).splitlines()
     assert lines[0].startswith("TrainStream plan: budget ") and "predicted peak" in lines[0]
     assert lines[1] == "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |"
@@ -323,6 +329,36 @@ def test_plan_str_has_header_and_a_row_per_block():
     assert [int(r.split("|")[1]) for r in rows] == list(range(5))
     assert all("| host |" in r for r in rows)
     assert lines[-1].startswith("non-block weights")
+
+
+def test_paged_trainable_weights_put_their_optimizer_state_on_the_host():
+    """wrap steps paged trainable weights on the host whatever the plan chose, so with offload_optimizer='auto' the plan
+    lists exactly those (and host gradients); forced True lists every large trainable parameter."""
+    model = _llama()
+    blocks = find_blocks(model)
+    pl = _plan(model, page_weights=True, min_offload_numel=0)
+    assert pl.paged_blocks == list(range(len(blocks)))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert pl.offload_optimizer == [names[id(p)] for b in blocks for p in b.parameters()]
+    assert pl.grads == "host" and pl.offload_numel == sum(p.numel() for b in blocks for p in b.parameters())
+    unpaged = _plan(model, min_offload_numel=0)
+    assert unpaged.paged_blocks == [] and unpaged.offload_optimizer == [] and pl.fixed_bytes < unpaged.fixed_bytes
+    forced = _plan(model, page_weights=True, min_offload_numel=0, offload_optimizer=True)
+    assert forced.offload_optimizer == [n for n, _ in model.named_parameters()]
+
+
+def test_forced_page_weights_that_moves_nothing_warns():
+    model = _llama()
+    with pytest.warns(RuntimeWarning, match=r"page_weights=True, but no block is paged \(all 4 stay on the device\): "
+                                            r"min_offload_numel=1048576"):
+        pl = _plan(model, page_weights=True)
+    assert pl.paged_blocks == [] and (pl.slots, pl.prefetch) == (0, 0) and pl.paged_bytes() == 0
+    assert " 0 blocks paged (0 B), 0 weight slots" in str(pl).splitlines()[0]
+
+
+def test_format_bytes():
+    assert [planner.format_bytes(n) for n in (0, 900, 1024, 148480, 3 << 19, 1023 << 20, 24 * GiB, 1500 * GiB)] == [
+        "0 B", "900 B", "1.00 KiB", "145 KiB", "1.50 MiB", "1023 MiB", "24.0 GiB", "1500 GiB"]
 
 
 # -- resolve_budget ----------------------------------------------------------------------------------------
@@ -406,7 +442,8 @@ def test_recompute_true_is_kept_when_paging():
     """recompute=True means every block that can be recomputed is: the paged layout does not give blocks back their
     activations, whatever the slack."""
     model = _llama(layers=6)
-    recomputed = _plan(model, offload_optimizer=False, recompute=True)
+    recomputed = _plan(model, offload_optimizer=False, recompute=True, min_offload_numel=0)
     budget = recomputed.margin + recomputed.predicted_peak() - recomputed.blocks[0].weight_bytes
-    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=True)
+    pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=True,
+               min_offload_numel=0)
     assert pl.paged_blocks and pl.recomputed_blocks == list(range(len(pl.blocks)))

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from trainstream_hf.config import parse_bytes
 from trainstream_hf.engine.activations import Prefetch
+from trainstream_hf.engine.weights import block_bytes
 
 __all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
-           "measure_activation_bytes", "activation_bytes_per_token", "measure_head"]
+           "measure_activation_bytes", "activation_bytes_per_token", "measure_head", "pages_param", "page_filter",
+           "format_bytes"]
 
 GiB = 2**30
 # Parameters smaller than this stay with the device optimizer even when optimizer state is offloaded:
@@ -46,6 +50,19 @@ class BudgetError(MemoryError):
     """The model cannot be trained in the given VRAM budget even with everything in host RAM."""
 
 
+def pages_param(p: nn.Parameter, min_offload_numel: int) -> bool:
+    """Whether paging a block moves ``p`` to host RAM: every frozen parameter, and a trainable one of at least
+    ``min_offload_numel`` elements. Smaller trainable ones (LoRA adapters, norms, biases) stay on the device with the
+    device optimizer: paging them would save little and put them on the CPU optimizer. The weight pager also leaves
+    a parameter shared beyond its block on the device (``engine.weights.select_params``)."""
+    return not p.requires_grad or p.numel() >= min_offload_numel
+
+
+def page_filter(min_offload_numel: int) -> Callable[[str, nn.Parameter], bool]:
+    """:func:`pages_param` as the weight pager's ``param_filter(name, param)``."""
+    return lambda name, p: pages_param(p, min_offload_numel)
+
+
 @dataclass
 class BlockPlan:
     """Placement of one block. Weights are on ``"device"`` or ``"host"``; activations on ``"device"``,
@@ -60,12 +77,20 @@ class BlockPlan:
     input_bytes: int = 0          # what a checkpointed block keeps: its input
     can_recompute: bool = False
     kept_bytes: int = 0           # held beside resident weights, none when paged (QuantLinear's transposed FP8 codes)
+    # Paging moves only the parameters pages_param selects: their bytes in the pager's host buffer (its layout, with
+    # aligned offsets; also a weight slot's size), and what the block's other parameters keep on the device.
+    paged_bytes: int | None = None  # None: all of weight_bytes
+    unpaged_bytes: int = 0
+
+    def host_weight_bytes(self) -> int:
+        """Bytes of this block's weights that live in host RAM once it is paged (the rest stays on the device)."""
+        return self.weight_bytes if self.paged_bytes is None else self.paged_bytes
 
     def pcie_bytes(self) -> int:
         """Bytes this block moves per step over PCIe because of its placement (not counting optimizer)."""
         n = 0
         if self.weights == "host":
-            n += 2 * self.weight_bytes  # up for forward, up again for backward
+            n += 2 * self.host_weight_bytes()  # up for forward, up again for backward
         if self.activations == "host":
             n += 2 * self.activation_bytes  # down in forward, up in backward
         return n
@@ -150,8 +175,9 @@ class Plan:
         Weights, slots and device optimizer state are held throughout; on top, the largest of the moments of
         :meth:`_moments`.
         """
-        resident_w = sum(b.weight_bytes + b.kept_bytes for b in self.blocks if b.weights == "device")
-        paged = [b.weight_bytes for b in self.blocks if b.weights == "host"]
+        resident_w = sum(b.weight_bytes + b.kept_bytes if b.weights == "device" else b.unpaged_bytes
+                         for b in self.blocks)
+        paged = [b.host_weight_bytes() for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
         return self.fixed_bytes + resident_w + slot_bytes + max(self._moments())
 
@@ -163,6 +189,11 @@ class Plan:
     def fits(self) -> bool:
         return self.predicted_peak() + self.margin <= self.budget
 
+    def paged_bytes(self) -> int:
+        """Host bytes of the paged blocks' weights, as the weight pager lays them out (its ``stats()['paged_bytes']``,
+        which ``model.trainstream_stats()['weights']`` reports)."""
+        return sum(b.host_weight_bytes() for b in self.blocks if b.weights == "host")
+
     def pcie_bytes(self) -> int:
         return sum(b.pcie_bytes() for b in self.blocks)
 
@@ -170,7 +201,7 @@ class Plan:
         """Host RAM the plan puts in the arena: paged weights, every offloaded block's activations (all
         are on the host at the end of the forward pass) and, per offloaded parameter, the fp32 master,
         both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
-        return (sum(b.weight_bytes for b in self.blocks if b.weights == "host")
+        return (self.paged_bytes()
                 + sum(b.activation_bytes for b in self.blocks if b.activations == "host")
                 + 18 * self.offload_numel + (2 * self.offload_numel if self.grads == "host" else 0))
 
@@ -191,7 +222,9 @@ class Plan:
     def __str__(self) -> str:
         mib = 2**20
         lines = [f"TrainStream plan: budget {self.budget / GiB:.2f} GiB, predicted peak "
-                 f"{self.predicted_peak() / GiB:.2f} GiB, {self.slots} weight slots, prefetch {self.prefetch}, "
+                 f"{self.predicted_peak() / GiB:.2f} GiB, {len(self.paged_blocks)} blocks paged "
+                 f"({format_bytes(self.paged_bytes())}), "
+                 f"{self.slots} weight slots, prefetch {self.prefetch}, "
                  f"gradients on {self.grads}, {len(self.recomputed_blocks)} blocks recomputed, optimizer state of "
                  f"{len(self.offload_optimizer)} parameters "
                  f"({self.offload_numel / 1e6:.1f} M) in host RAM",
@@ -206,6 +239,15 @@ class Plan:
                      f"{self.logits_bytes / GiB:.2f} GiB; margin {self.margin / GiB:.2f} GiB; PCIe "
                      f"{self.pcie_bytes() / GiB:.2f} GiB/step; step floor {self.predicted_step_floor():.3f} s")
         return "\n".join(lines)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a reader, in the largest unit it reaches: '0 B', '900 B', '145 KiB', '1.50 MiB', '24.0 GiB'."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.{2 if v < 9.995 else 1 if v < 99.95 else 0}f} {unit}"
+    return f"{n} B"
 
 
 def resolve_budget(vram_budget, device: torch.device) -> int:
@@ -269,6 +311,7 @@ class BlockMeasure:
     input_bytes: int
     forward_seconds: float
     raw_activation_bytes: int = 0  # the same without cast elision (each saved widened copy counted as itself)
+    saved_sizes: tuple[int, ...] = ()  # bytes of each saved storage counted in activation_bytes
 
 
 def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int], device: torch.device,
@@ -367,7 +410,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
         if entered:  # the block raised (e.g. out of memory): don't leave `pack` on every later backward
             ctx.__exit__(None, None, None)
         held.clear()
-    return BlockMeasure(sum(seen.values()), found["input"], found["t"], sum(raw.values()))
+    return BlockMeasure(sum(seen.values()), found["input"], found["t"], sum(raw.values()), tuple(seen.values()))
 
 
 # Fraction of the measured forward time counted as room for activation copies: offloaded blocks are spaced
@@ -467,12 +510,65 @@ def _prefer_recompute_when_paging(pl: Plan, page) -> None:
             b.activations, b.weights = a, w
 
 
+def _warn_unpaged(blocks: Sequence[nn.Module], block_plans: list[BlockPlan], min_offload_numel: int) -> None:
+    """page_weights=True asked for every block: say which ones paging cannot move, why, and what to change."""
+    unpaged = [b.index for b in block_plans if not b.paged_bytes]
+    if not unpaged:
+        return
+    small = [i for i in unpaged
+             if any(p.requires_grad and p.numel() < min_offload_numel for p in blocks[i].parameters())]
+    what = (f"no block is paged (all {len(block_plans)} stay on the device)" if len(unpaged) == len(block_plans) else
+            f"{len(unpaged)} of {len(block_plans)} blocks stay on the device ({_ranges(unpaged)})")
+    if small:
+        why = (f"min_offload_numel={min_offload_numel} leaves every trainable parameter smaller than that on the "
+               f"device and block(s) {_ranges(small)} have nothing else to page; lower min_offload_numel (e.g. 0) to "
+               "page them, or leave page_weights='auto'")
+    else:
+        why = (f"block(s) {_ranges(unpaged)} hold no parameter of their own to page (none, or only weights shared "
+               "with other modules); leave page_weights='auto'")
+    warnings.warn(f"page_weights=True, but {what}: {why}", RuntimeWarning, stacklevel=3)
+
+
+def _activations_movable(activation_sizes: Sequence[int] | None, activation_bytes: int | None,
+                         min_activation_bytes: int) -> bool:
+    """Whether offloading a block's activations moves anything: the offloader keeps saved tensors smaller than
+    ``min_activation_bytes`` on the device. Unknown sizes (nothing measured): assumed to."""
+    if activation_sizes is not None:
+        return any(n >= max(min_activation_bytes, 1) for n in activation_sizes)
+    return activation_bytes is None or activation_bytes > 0
+
+
+def _warn_activations_unmoved(activation_sizes: Sequence[int] | None, min_activation_bytes: int) -> None:
+    """offload_activations=True asked for every block, but the offloader would move nothing."""
+    if activation_sizes:
+        why = (f"every saved tensor of a block is smaller than min_activation_bytes={min_activation_bytes} (the "
+               f"largest: {max(activation_sizes)} bytes), and smaller ones stay on the device; lower "
+               "min_activation_bytes to offload them")
+    else:
+        why = "the blocks save no activations for backward (nothing trains through them)"
+    warnings.warn(f"offload_activations=True, but no activation would move to the host: {why}; the plan keeps them on "
+                  "the device (offload_activations='auto' decides by itself)", RuntimeWarning, stacklevel=3)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts, start = [], None
+    for k, i in enumerate(indices):
+        if start is None:
+            start = i
+        if k + 1 == len(indices) or indices[k + 1] != i + 1:
+            parts.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(parts)
+
+
 def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[int, int], vram_budget,
          device: torch.device | str | None = None, offload_optimizer="auto", grads="auto",
          offload_activations="auto", page_weights="auto", slots: int = 2, prefetch: int = 1,
          margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL,
          activation_bytes: int | None = None, input_bytes: int | None = None,
-         forward_seconds: float | None = None, recompute="auto", head_bytes: int | None = None) -> Plan:
+         forward_seconds: float | None = None, recompute="auto", head_bytes: int | None = None,
+         activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -496,6 +592,15 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             ``GradientCheckpointingLayer`` blocks can be recomputed.
         head_bytes: peak bytes of the head (norm, LM head, loss and their backward), measured (see
             :func:`measure_head`); None: ``tokens x vocab x (dtype + 8)``.
+        activation_sizes: bytes of each of one block's saved tensors (``BlockMeasure.saved_sizes``); with
+            ``min_activation_bytes`` (the activation offloader keeps smaller ones on the device) it tells whether
+            offloading a block's activations moves anything. None: unknown, assumed to.
+        min_activation_bytes: the offloader's ``min_bytes`` (``TrainStreamConfig.min_activation_bytes``).
+
+    Warns:
+        RuntimeWarning: a forced ``page_weights=True`` or ``offload_activations=True`` that cannot move anything
+            (or, for weights, some blocks): the plan says so (those blocks stay ``"device"``) and the warning says
+            which option to change.
 
     Raises:
         BudgetError: when even the most offloaded plan does not fit, with the minimum it needs.
@@ -521,12 +626,19 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     if input_bytes is None:
         h = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
         input_bytes = tokens * h * act_dtype_bytes
+    # As the weight pager selects and lays them out (engine.weights.select_params, block_bytes): a parameter reachable
+    # twice stays on the device; each paged one starts at an aligned offset of its block's host buffer.
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     block_plans = []
     for i, b in enumerate(blocks):
         params = list(b.parameters())
+        paged = [p for p in params if pages_param(p, min_offload_numel) and uses.get(id(p), 0) <= 1]
+        paged_ids = {id(p) for p in paged}
         block_plans.append(BlockPlan(i, _numel_bytes(params), sum(p.numel() for p in params if p.requires_grad),
                                      per_block_act, input_bytes=int(input_bytes),
-                                     can_recompute=_can_recompute(b), kept_bytes=_kept_bytes(b, device)))
+                                     can_recompute=_can_recompute(b), kept_bytes=_kept_bytes(b, device),
+                                     paged_bytes=block_bytes(paged) if paged else 0,
+                                     unpaged_bytes=_numel_bytes(p for p in params if id(p) not in paged_ids)))
     # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
     logits = tokens * vocab * (act_dtype_bytes + 4 + 4) if head_bytes is None else int(head_bytes)
     nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)
@@ -536,23 +648,25 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
 
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel, forward_seconds=forward_seconds)
-    big_params = [p for _, p in big]
 
-    def settle(offload_opt: bool, grads_host: bool) -> None:
-        pl.offload_optimizer = [n for n, _ in big] if offload_opt else []
-        pl.offload_numel = sum(p.numel() for p in big_params) if offload_opt else 0
-        pl.grads = "host" if (offload_opt and grads_host and big_params) else "device"
-        device_trainable = [p for _, p in small] + ([] if offload_opt else big_params)
+    def settle(offload_opt: bool, grads_host: bool, only: list[tuple[str, nn.Parameter]] | None = None) -> None:
+        """Optimizer state of every big trainable parameter (``only``: of these) on the host, or of none."""
+        off = (big if only is None else only) if offload_opt else []
+        off_params, off_ids = [p for _, p in off], {id(p) for _, p in off}
+        pl.offload_optimizer = [n for n, _ in off]
+        pl.offload_numel = sum(p.numel() for p in off_params)
+        pl.grads = "host" if (grads_host and off_params) else "device"
+        device_trainable = [p for _, p in trainable if id(p) not in off_ids]
         # The device optimizer keeps exp_avg and exp_avg_sq in the parameter's dtype.
         pl.fixed_bytes = nonblock_w + 2 * nbytes(device_trainable)
         grads_b = nbytes(device_trainable)
-        if offload_opt:
+        if off_params:
             # host grads: at most one block's worth in flight, or one whole non-block tensor (embedding,
             # head); device grads: all of them until step().
             per_block = max((nbytes(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
-            nonblock_big = max((p.numel() * p.element_size() for p in big_params if id(p) not in block_ids),
+            nonblock_big = max((p.numel() * p.element_size() for p in off_params if id(p) not in block_ids),
                                default=0)
-            grads_b += max(per_block, nonblock_big) if grads_host else nbytes(big_params)
+            grads_b += max(per_block, nonblock_big) if grads_host else nbytes(off_params)
         pl.grad_bytes = grads_b
 
     choices_opt = [False, True] if offload_optimizer == "auto" else [bool(offload_optimizer)]
@@ -569,9 +683,14 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         for b in block_plans:
             if b.can_recompute:
                 b.activations = "recompute"
+    # An offloaded block whose saved tensors all stay on the device (below min_activation_bytes) saves nothing.
+    movable = _activations_movable(activation_sizes, activation_bytes, min_activation_bytes)
     if offload_activations is True:
-        for b in block_plans:
-            b.activations = "host"
+        if movable:
+            for b in block_plans:
+                b.activations = "host"
+        else:
+            _warn_activations_unmoved(activation_sizes, min_activation_bytes)
     elif offload_activations == "auto" and not pl.fits():
         # Keep the last blocks' activations (they are used first in backward and never move); of the blocks
         # before them offload every s-th, where s blocks' forward covers one block's copy, and checkpoint the
@@ -587,6 +706,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                     b.activations = "recompute"  # asked for every block that can be
                 elif b.index >= n - keep:
                     b.activations = "device"
+                elif not movable:
+                    b.activations = "recompute" if b.can_recompute and recompute is not False else "device"
                 elif (b.index % s == 0 and b.index + s <= n) or not b.can_recompute or recompute is False:
                     b.activations = "host"
                 else:
@@ -605,16 +726,25 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             for b in block_plans:
                 if page_weights == "auto" and pl.fits():
                     break
-                b.weights = "host"
+                if b.paged_bytes:  # a block whose every parameter stays on the device is not paged
+                    b.weights = "host"
 
         page()
         if page_weights == "auto" and offload_activations == "auto" and recompute == "auto":
             _prefer_recompute_when_paging(pl, page)
-    # wrap() sends the gradients of paged trainable weights straight into their host masters (the weight is
-    # not on the device after its block has run), so the plan must count host gradients, not device ones.
-    if pl.offload_optimizer and pl.grads == "device" and any(
-            p.requires_grad and p.numel() >= min_offload_numel
-            for b in block_plans if b.weights == "host" for p in blocks[b.index].parameters()):
+        if page_weights is True:
+            _warn_unpaged(blocks, block_plans, min_offload_numel)
+        if not pl.paged_blocks:
+            pl.slots, pl.prefetch = 0, 0
+    # wrap() steps paged trainable weights on the host whatever the plan chose (the optimizer writes their host
+    # copies) and sends their gradients straight there (the weight is not on the device after its block has run):
+    # the plan counts their optimizer state and gradients on the host, as model.trainstream_stats() will report.
+    in_host_blocks = {id(q) for b in block_plans if b.weights == "host" for q in blocks[b.index].parameters()
+                      if pages_param(q, min_offload_numel) and uses.get(id(q), 0) <= 1}
+    paged_trainable = [(n, p) for n, p in big if id(p) in in_host_blocks]
+    if paged_trainable and not pl.offload_optimizer and offload_optimizer == "auto":
+        settle(True, True, only=paged_trainable)
+    elif paged_trainable and pl.offload_optimizer and pl.grads == "device":
         settle(True, True)
     if not pl.fits():
         raise BudgetError(

@@ -1,16 +1,25 @@
 """wrap(model, optimizer, **options): install the engine; the training loop stays as it was.
 
-``wrap`` finds the model's blocks, makes a :class:`~trainstream_hf.planner.Plan` for the VRAM budget, and
-installs what the plan asks for: a weight pager and an activation offloader on the blocks (sharing one set
-of block hooks), and an :class:`~trainstream_hf.engine.optimizer.OffloadedAdamW` in place of the user's
-AdamW. ``unwrap`` takes it all out again and leaves an ordinary model holding the trained weights.
+``wrap`` is a short pipeline: **prepare** (checks, quantizing the frozen base, the model's non-block parts onto
+the compute device, the fused norms and cast hooks the measurement must see), **plan** (measure a block, make a
+:class:`~trainstream_hf.planner.Plan` for the VRAM budget), **allocate** (streams, the pinned host arena, the
+weight pager) and **install** (activation offloader, :class:`~trainstream_hf.engine.optimizer.OffloadedAdamW` in
+place of the user's AdamW, recomputation, statistics). Every step registers its own undo on one
+``contextlib.ExitStack`` that the :class:`Engine` owns: when a step fails the stack runs at once, in reverse, and
+the model, its parameters, hooks and the optimizer are exactly as given; ``unwrap`` runs the same stack and leaves
+an ordinary model holding the trained weights. A few changes are kept by ``unwrap`` but undone on failure (the
+quantized layers, where parameters live): their undo holds the originals until ``wrap`` succeeds, then drops them.
+:func:`plan` runs prepare and plan, then the whole stack, so it returns exactly the plan ``wrap`` would install.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import warnings
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,12 +30,12 @@ from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.allocator import enable_expandable_segments, wants_expandable_segments
 from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.blocks import check_wrappable, find_blocks
 from trainstream_hf.engine.casts import CastSources
-from trainstream_hf.engine.norms import FusedNorms
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import chunked_causal_lm_loss
-from trainstream_hf.engine.blocks import find_blocks
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
+from trainstream_hf.engine.norms import FusedNorms
 from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.engine.peer import Peers
 from trainstream_hf.engine.streams import TransferStreams
@@ -34,7 +43,7 @@ from trainstream_hf.engine.trace import Timeline
 from trainstream_hf.engine.weights import WeightPager, block_bytes, select_params
 from trainstream_hf.quant.model import quantize_frozen_base
 
-__all__ = ["wrap", "unwrap", "Engine", "engine_of"]
+__all__ = ["wrap", "unwrap", "plan", "Engine", "engine_of"]
 
 _ATTR = "_trainstream_engine"
 _MISSING = object()
@@ -77,29 +86,42 @@ class _StepWaiter(BlockListener):
 
 
 class Engine:
-    """Everything ``wrap`` installed on one model; reach it with :func:`engine_of`."""
+    """Everything ``wrap`` installed on one model; reach it with :func:`engine_of`.
 
-    def __init__(self, model: nn.Module, config: TrainStreamConfig, plan: planner.Plan, *, streams, arena,
-                 hooks, pager, offloader, optimizer, user_optimizer):
-        self.model, self.config, self.plan = model, config, plan
-        self.streams, self.arena, self.hooks = streams, arena, hooks
-        self.pager, self.offloader, self.optimizer = pager, offloader, optimizer
-        self.user_optimizer = user_optimizer
+    ``_undo`` is the stack of undos the install steps registered, in order; :meth:`unwrap` closes it.
+    """
+
+    def __init__(self, model: nn.Module, config: TrainStreamConfig, user_optimizer):
+        self.model, self.config, self.user_optimizer = model, config, user_optimizer
+        self.plan: planner.Plan | None = None
+        self.streams = self.arena = self.hooks = self.pager = self.offloader = None
+        self.casts = self.norms = self.loss_owner = None
+        self.optimizer = user_optimizer
         self.steps = 0
         self.expandable_segments = False  # wrap() switched the CUDA allocator to expandable segments
         self.shared_host = None  # the host copy of frozen paged weights shared with this host's other processes
+        self.ddp_ignore = None
+        self.timeline = None
         self._t0: float | None = None
+        self._step_hook = None
+        self._last: dict = {}
+        self._gc: GcPauses | None = None
+        self._undo = contextlib.ExitStack()
+
+    def _start_clock(self, undo: contextlib.ExitStack) -> None:
+        """Per-step statistics: the step window, the timeline, Python's gc pauses."""
         # With an optimizer, a step is an optimizer step (all its micro-batches): the window opens at the first
         # forward and closes when step() returns. Without one, each forward pass starts a new window.
-        self._step_hook = None
-        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            self._step_hook = optimizer.register_step_post_hook(lambda *_: self._end_step())
-        self._last: dict = {}
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_post_hook"):
+            self._step_hook = self.optimizer.register_step_post_hook(lambda *_: self._end_step())
+            undo.callback(self._step_hook.remove)
         trace_path = os.environ.get("TRAINSTREAM_TRACE") or None
-        self.timeline = Timeline(streams.device, trace_path) if (trace_path or config.timeline) else None
-        streams.timeline = self.timeline
-        hooks.add(_StepClock(self))
+        self.timeline = Timeline(self.streams.device, trace_path) if (trace_path or self.config.timeline) else None
+        self.streams.timeline = self.timeline
+        undo.callback(setattr, self.streams, "timeline", None)
+        self.hooks.add(_StepClock(self))
         self._gc = GcPauses().start()  # Python GC pauses per step (engine/gcstats.py)
+        undo.callback(self._gc.stop)
         # A model dropped without unwrap must not leave the counter in gc.callbacks for the life of the process.
         weakref.finalize(self, self._gc.stop)
 
@@ -157,7 +179,7 @@ class Engine:
         return dict(self._last)
 
     # -- checkpointed blocks -----------------------------------------------------------------------
-    def install_recompute(self, blocks, indices) -> None:
+    def install_recompute(self, blocks, indices, undo: contextlib.ExitStack) -> None:
         """Turns on transformers' own gradient checkpointing (non-reentrant) for the chosen blocks only, the
         way ``model.gradient_checkpointing_enable()`` does for all of them (``GradientCheckpointingLayer``'s
         ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``); unwrap restores them."""
@@ -165,25 +187,15 @@ class Engine:
 
         from torch.utils.checkpoint import checkpoint
 
-        self._recompute_saved = []
         for i in indices:
             layer = blocks[i]
-            self._recompute_saved.append((layer, layer.__dict__.get("gradient_checkpointing", _MISSING),
-                                          layer.__dict__.get("_gradient_checkpointing_func", _MISSING)))
+            for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+                undo.callback(_restore_attr, layer, name, layer.__dict__.get(name, _MISSING))
             layer.gradient_checkpointing = True
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
-    def _restore_recompute(self) -> None:
-        for layer, flag, func in getattr(self, "_recompute_saved", []):
-            for name, old in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
-                if old is _MISSING:
-                    layer.__dict__.pop(name, None)
-                else:
-                    setattr(layer, name, old)
-        self._recompute_saved = []
-
     # -- overlapped optimizer step -------------------------------------------------------------------
-    def install_step_overlap(self, blocks) -> None:
+    def install_step_overlap(self, blocks, undo: contextlib.ExitStack) -> None:
         """The next forward waits for each offloaded parameter's new value just before it is used: the
         non-block ones (embeddings, head) when the model's forward starts, block i's at block i. The end of
         the forward waits for the CPU step to finish, so backward never races it."""
@@ -193,42 +205,23 @@ class Engine:
         other = [p for p in self.model.parameters() if id(p) not in in_blocks]
         # Embeddings and head first (the forward needs the embedding before block 0), then block by block.
         opt.set_step_order(other + [p for ps in block_params for p in ps])
-        self._overlap_handles = [
-            self.model.register_forward_pre_hook(lambda m, a: opt.wait_for(other)),
-            self.model.register_forward_hook(lambda m, a, o: opt.synchronize(), always_call=True)]
-        self._step_waiter = _StepWaiter(opt, block_params)
-        self.hooks.add(self._step_waiter)
+        for h in (self.model.register_forward_pre_hook(lambda m, a: opt.wait_for(other)),
+                  self.model.register_forward_hook(lambda m, a, o: opt.synchronize(), always_call=True)):
+            undo.callback(h.remove)
+        self.hooks.add(_StepWaiter(opt, block_params))  # the block hooks' removal forgets it
 
     # -- removal ----------------------------------------------------------------------------------
     def unwrap(self) -> nn.Module:
-        if isinstance(self.optimizer, OffloadedAdamW):
-            self.optimizer.release()  # fp32 masters -> sinks / device params
-        if self.pager is not None:
-            self.pager.unwrap()  # host copies (updated by the optimizer through the sinks) -> device
-        self.shared_host = None  # the shared segment is unmapped with its last view
-        if getattr(self, "ddp_ignore", None) is not None:
-            data_parallel.restore_ddp_ignore(self.model, self.ddp_ignore[0])
-        if self.offloader is not None:
-            self.offloader.close()
-        if getattr(self, "casts", None) is not None:
-            self.casts.uninstall()
-        if getattr(self, "norms", None) is not None:
-            self.norms.uninstall()
-        _remove_chunked_loss(getattr(self, "loss_owner", None))
-        for h in getattr(self, "_overlap_handles", []):
-            h.remove()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-        self._gc.stop()
-        self._restore_recompute()
-        self.hooks.remove()
-        self.streams.timeline = None
-        self.streams.synchronize()
-        self.arena.close()  # pinned slabs go back once the last tensor in them (e.g. optimizer state) dies
-        for name in (_ATTR, "trainstream_stats", "trainstream_plan"):
-            self.model.__dict__.pop(name, None)
+        """Runs every install step's undo, last installed first; the model keeps its trained weights."""
+        self._undo.close()
         return self.model
+
+
+def _restore_attr(obj, name: str, old) -> None:
+    if old is _MISSING:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, old)
 
 
 def _install_chunked_loss(model: nn.Module) -> nn.Module | None:
@@ -292,9 +285,335 @@ def _plan_or_none(make_plan, activation_bytes):
         return None
 
 
+class _OnFailure:
+    """An undo for a change that ``unwrap`` keeps (quantized layers, where parameters live): it runs only if wrap
+    fails; :meth:`commit` (wrap succeeded) drops it, and with it what it held to put things back."""
+
+    def __init__(self, undo: contextlib.ExitStack, put_back: Callable[[], None]):
+        self._put_back = put_back
+        undo.callback(self)
+
+    def __call__(self) -> None:
+        put_back, self._put_back = self._put_back, None
+        if put_back is not None:
+            put_back()
+
+    def commit(self) -> None:
+        self._put_back = None
+
+
+@dataclass
+class _Setup:
+    """What the prepare and plan steps found, for the later steps."""
+
+    model: nn.Module
+    config: TrainStreamConfig
+    has_optimizer: bool
+    dp_group: object = None
+    device: torch.device | None = None
+    blocks: tuple = ()
+    batch_shape: tuple[int, int] = (1, 1)
+    casts: CastSources | None = None
+    norms: FusedNorms | None = None
+    loss_owner: nn.Module | None = None
+    keep: list = None  # _OnFailure undos to commit when wrap succeeds
+
+    def drop_casts(self) -> None:
+        if self.casts is not None:
+            self.casts.uninstall()
+            self.casts = None
+
+
+def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, options: dict):
+    """Checks the arguments and resolves the options; changes nothing. Returns (config, the data-parallel group)."""
+    data_parallel.check_not_ddp(model)
+    if engine_of(model) is not None:
+        raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
+    check_wrappable(model)
+    config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
+    if optimizer is not None:
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(f"wrap: the optimizer holds {foreign} tensor(s) that are not parameters of this model; "
+                             "build it from this model's parameters (e.g. model.parameters())")
+    # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
+    dp_group = data_parallel.process_group(config.data_parallel, config.grads)
+    if dp_group is not None and config.optimizer_in_backward:
+        raise ValueError("optimizer_in_backward cannot be used with several processes (DistributedDataParallel): it "
+                         "needs host gradients, which DDP's reducer would never see (engine/distributed.py); turn it "
+                         "off (or data_parallel=False if the processes train independent models)")
+    if config.outliers and config.quantize is None:
+        raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: "
+                         "set quantize too")
+    return config, dp_group
+
+
+def _quantize(s: _Setup, undo: contextlib.ExitStack) -> None:
+    """Packs the frozen linear layers (a PEFT model's base; never a trainable layer or the output head) in place, one
+    at a time, before the plan measures anything. Until wrap succeeds each original layer is kept, in host RAM
+    (a copy of a device one), to be put back if a later step fails."""
+    originals = []  # (parent, child name, original layer, [(tensor, its device)])
+
+    def keep(parent: nn.Module, child: str, old: nn.Module) -> None:
+        moved = []
+        for t in [*old.parameters(), *old.buffers()]:
+            if t.device.type != "cpu":
+                moved.append((t, t.device))
+                t.data = t.data.to("cpu")
+        originals.append((parent, child, old, moved))
+
+    def put_back() -> None:
+        for parent, child, old, moved in reversed(originals):
+            for t, device in moved:
+                t.data = t.data.to(device)
+            setattr(parent, child, old)
+        originals.clear()
+
+    s.keep.append(_OnFailure(undo, put_back))
+    quantize_frozen_base(s.model, s.config.quantize, s.config.outliers, replaced=keep)
+
+
+def _keep_placement(s: _Setup, undo: contextlib.ExitStack) -> None:
+    """Notes where every parameter and buffer is, to move them back if a later step fails (wrap moves them to the
+    compute device; the pager moves paged ones to host RAM and ``unwrap`` back to the device)."""
+    params = [(p, p.device) for p in s.model.parameters()]
+    buffers = [(m, name, b.device) for m in s.model.modules() for name, b in m._buffers.items() if b is not None]
+
+    def put_back() -> None:
+        for p, device in params:
+            if p.device != device:
+                p.data = p.data.to(device)
+        for m, name, device in buffers:
+            b = m._buffers.get(name)
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+
+    s.keep.append(_OnFailure(undo, put_back))
+
+
+def _prepare(s: _Setup, undo: contextlib.ExitStack) -> None:
+    """Quantization, the compute device, the blocks, and the patches the measurement must see."""
+    model, config = s.model, s.config
+    if config.quantize is not None:
+        _quantize(s, undo)
+    s.device = _compute_device(model)
+    if config.device is not None:
+        s.device = torch.device(config.device)
+        if s.device.type == "cuda" and s.device.index is None:
+            s.device = torch.device("cuda", torch.cuda.current_device())
+    s.blocks = find_blocks(model)
+    s.batch_shape = config.batch_shape or _default_batch_shape(model)
+    _keep_placement(s, undo)
+    _move_outside_blocks(model, {id(m) for b in s.blocks for m in b.modules()}, s.device)
+    if config.chunked_loss:
+        s.loss_owner = _install_chunked_loss(model)
+        undo.callback(_remove_chunked_loss, s.loss_owner)
+    if config.fused_norms:  # before the block is measured: the fused norm saves less
+        s.norms = FusedNorms()
+        undo.callback(s.norms.uninstall)
+        s.norms.install(model.modules())
+    if config.elide_casts:
+        s.casts = CastSources()
+        undo.callback(s.drop_casts)
+        if not s.casts.install(m for b in s.blocks for m in b.modules()):
+            s.drop_casts()
+
+
+def _make_plan(s: _Setup) -> planner.Plan:
+    """Measures a block and plans for the budget (cast elision dropped where it saves nothing)."""
+    model, config, blocks, device = s.model, s.config, s.blocks, s.device
+    # The second block is measured (the forward runs up to its end): the first one's input needs no gradient
+    # when the embedding is frozen, so it saves less than every later block. Measured, not estimated: the
+    # analytic formula missed LoRA's and the norms' saved tensors by ~40% on the H200 (benchmarks/NOTES.md).
+    probe = min(1, len(blocks) - 1)
+    homes = [{p.device for p in b.parameters()} for b in blocks[:probe + 1]]
+    for b, home in zip(blocks, homes):
+        if home != {device}:
+            b.to(device)  # for the measurement only; the plan decides where it lives
+    m = planner.measure_block(model, blocks[probe], s.batch_shape, device, casts=s.casts)
+    head = planner.measure_head(model, s.batch_shape, device)
+    for b, home in zip(blocks, homes):
+        if home != {device}:
+            b.to(next(iter(home)) if len(home) == 1 else "cpu")
+
+    def make_plan(activation_bytes):
+        return planner.plan(
+            model, list(blocks), batch_shape=s.batch_shape, vram_budget=config.vram_budget, device=device,
+            offload_optimizer=config.offload_optimizer if s.has_optimizer else False,
+            grads=config.grads, offload_activations=config.offload_activations,
+            page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
+            min_offload_numel=config.min_offload_numel, recompute=config.recompute,
+            activation_bytes=activation_bytes, activation_sizes=None if m is None else m.saved_sizes,
+            min_activation_bytes=parse_bytes(config.min_activation_bytes),
+            input_bytes=None if m is None else m.input_bytes,
+            forward_seconds=None if m is None else m.forward_seconds, head_bytes=head)
+
+    pl = make_plan(None if m is None else m.activation_bytes)
+    if config.elide_casts == "auto" and s.casts is not None and m is not None and \
+            m.raw_activation_bytes <= m.activation_bytes:
+        # Nothing to elide (no widening cast saved: bf16 autocast, or LoRA's native path, which saves the
+        # narrow input itself): the hooks would cost a Python call per saved tensor for nothing.
+        s.drop_casts()
+    elif config.elide_casts == "auto" and s.casts is not None and m is not None:
+        # Cast elision only saves memory, and costs a Python hook per saved tensor plus a cast per saved copy in
+        # backward (8B nf4 LoRA on the H200: 256 casts and ~1500 hooked tensors per step, with 5.7 GiB of the
+        # budget unused). Without it, if every block still keeps its activations and weights on the device.
+        plain = _plan_or_none(make_plan, m.raw_activation_bytes)
+        if plain is not None and not (plain.paged_blocks or plain.offloaded_activation_blocks
+                                      or plain.recomputed_blocks) and \
+                (plain.offload_optimizer, plain.grads) == (pl.offload_optimizer, pl.grads):
+            s.drop_casts()
+            pl = plain
+    if config.grads == "device" and pl.grads == "host" and s.dp_group is None:  # (DDP: its own refusal, later)
+        raise ValueError(_DEVICE_GRADS_PAGED)
+    return pl
+
+
+_DEVICE_GRADS_PAGED = (
+    "grads='device' cannot be honoured: the plan pages trainable weights, whose gradients go straight to their host "
+    "copies (the weight is not on the device after its block has run); use grads='auto' (p.grad and "
+    "torch.nn.utils.clip_grad_norm_ still see those host gradients), or page_weights=False / a larger vram_budget")
+
+
+def _allocate(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextlib.ExitStack) -> None:
+    """Streams, the host arena (pinned now, in one go), the block hooks and the weight pager."""
+    blocks, device, config = s.blocks, s.device, s.config
+    engine.streams = streams = TransferStreams(device)
+    engine.arena = arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
+                                     pinned=None if config.host_arena not in (None, 0) else False,
+                                     slab_bytes=config.host_arena_slab, pageable_fallback=config.pageable_fallback)
+    undo.callback(_close_arena, streams, arena)
+    # Pin what the plan needs now, in one go: pinning is slow (~0.4 s/GiB on the H200 host) and a host too
+    # small must be refused here, with needed vs available, not in the middle of a step.
+    if arena.growable:
+        # Paged weights that already sit in host RAM are moved block by block (each original freed once
+        # copied), so their slabs are pinned as the pager goes, while the memory they replace is released.
+        # Frozen paged weights shared with the other processes of this host (peer) go to shared memory instead.
+        elsewhere = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
+                        if p.device.type == "cpu" or (peers is not None and peers.active and not p.requires_grad))
+        arena.reserve(max(0, pl.host_bytes() - elsewhere))
+    elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
+        raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the "
+                         f"plan puts {pl.host_bytes()} bytes in host RAM; raise host_arena, use 'auto', or set "
+                         "pageable_fallback=True")
+    engine.hooks = hooks = BlockHooks(blocks)
+    undo.callback(hooks.remove)
+    engine.expandable_segments = (wants_expandable_segments(config.expandable_segments, device,
+                                                            bool(pl.paged_blocks)) and enable_expandable_segments())
+    # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the device
+    # optimizer (planner.pages_param): paging them would save little and put them on the CPU optimizer.
+    paged_filter = planner.page_filter(pl.min_offload_numel)
+    shared = None
+    if peers is not None:
+        # Every rank allocates (a collective), paging or not: a rank that planned differently gets no sharing
+        # here and the plan check in the install step raises on all of them.
+        sizes = {}
+        if pl.paged_blocks:
+            selected, _ = select_params(hooks, pl.paged_blocks, device, paged_filter)
+            sizes = {i: block_bytes(ps) for i, ps in selected.items() if not any(p.requires_grad for p in ps)}
+        shared = peers.allocate(sizes, pin=arena.pinned)
+        engine.shared_host = shared
+        undo.callback(setattr, engine, "shared_host", None)  # the segment is unmapped with its last view
+    failure = None
+    try:
+        if pl.paged_blocks:
+            pager = WeightPager(hooks, streams, arena, blocks=pl.paged_blocks, slots=pl.slots,
+                                prefetch=pl.prefetch, param_filter=paged_filter,
+                                host_buffers=shared.views if shared is not None else None,
+                                fill_host_buffers=shared is None or shared.writer)
+            engine.pager = pager
+            undo.callback(pager.unwrap)  # host copies (updated by the optimizer through the sinks) -> device
+    except BaseException as e:
+        failure = e
+    if peers is not None:
+        peers.agree(failure)  # raises on every rank when the pager failed on one
+    elif failure is not None:
+        raise failure
+
+
+def _close_arena(streams: TransferStreams, arena: HostArena) -> None:
+    streams.synchronize()
+    arena.close()  # pinned slabs go back once the last tensor in them (e.g. optimizer state) dies
+
+
+def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextlib.ExitStack) -> None:
+    """The activation offloader, data parallel, the offloaded optimizer, recomputation, statistics."""
+    model, config, blocks, device = s.model, s.config, s.blocks, s.device
+    streams, arena, hooks, pager, shared = engine.streams, engine.arena, engine.hooks, engine.pager, engine.shared_host
+    optimizer = engine.user_optimizer
+    # Whatever the pager did not take (unpaged blocks, small trainable parameters, buffers) goes to the
+    # compute device; paged parameters are device placeholders already, so .to() leaves them alone.
+    for b in blocks:
+        b.to(device)
+    if pl.offloaded_activation_blocks or s.casts is not None:
+        engine.offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
+                                               min_bytes=parse_bytes(config.min_activation_bytes), casts=s.casts,
+                                               prefetch=pl.activation_prefetch())
+        undo.callback(engine.offloader.close)
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    paged = set(map(id, pager.paged_parameters())) if pager is not None else set()
+    offload = []
+    if optimizer is not None:
+        wanted = set(pl.offload_optimizer)
+        offload = [p for g in optimizer.param_groups for p in g["params"]
+                   if names.get(id(p)) in wanted or (id(p) in paged and p.requires_grad)]
+    if s.dp_group is not None:
+        # Every rank checks the same plan first, so that a refusal below is raised on all of them at once; the
+        # broadcast comes before the optimizer reads its fp32 masters from the parameters.
+        paged_params = pager.paged_parameters() if pager is not None else []
+        data_parallel.check_same_plan({"paged": sorted(names.get(id(p), "?") for p in paged_params),
+                                       "offloaded": sorted(names.get(id(p), "?") for p in offload),
+                                       "grads": pl.grads}, device, s.dp_group)
+        data_parallel.check_no_trainable_paged(model, paged_params)
+        # A process that maps a host copy another one fills (peer) does not write into it.
+        host = [pager.host_tensor(p) for p in paged_params]
+        reads = [shared is not None and not shared.writer and shared.holds(t) for t in host]
+        data_parallel.broadcast_from_rank0(host + [p.data for p in offload], device, s.dp_group,
+                                           write=[not r for r in reads] + [True] * len(offload))
+        ddp_ignore = data_parallel.hide_frozen_from_ddp(model, paged_params, device, s.dp_group)
+        engine.ddp_ignore = (ddp_ignore,)
+        undo.callback(data_parallel.restore_ddp_ignore, model, ddp_ignore)
+        if peers is not None:
+            peers.barrier()  # the leaders' writes into shared host memory are done before any process reads
+    if optimizer is not None and offload:
+        sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
+        if sinks and config.grads == "device" and s.dp_group is None:
+            raise ValueError(_DEVICE_GRADS_PAGED)
+        if sinks and config.offload_optimizer is False:
+            warnings.warn(f"offload_optimizer=False, but the plan pages trainable weights: the optimizer state of "
+                          f"those {len(sinks)} parameters is in host RAM, updated there; set page_weights=False or "
+                          "raise vram_budget to keep it on the device", RuntimeWarning, stacklevel=3)
+        pl.grads = "host" if (pl.grads == "host" or sinks) else "device"
+        overlap = config.overlap_step
+        if overlap == "auto":
+            # in backward, the updates run on the step's worker thread on the CPU device too
+            overlap = (streams.is_cuda or config.optimizer_in_backward) and not sinks
+        new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=pl.grads,
+                                 param_sink=sinks, overlap_step=bool(overlap),
+                                 optimizer_in_backward=config.optimizer_in_backward)
+        undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed
+        new_opt.set_param_names(model.named_parameters())
+        engine.optimizer = new_opt
+    if pager is not None and hasattr(pager, "track_state_dict"):
+        pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
+    engine.plan = pl
+    engine.casts, engine.norms, engine.loss_owner = s.casts, s.norms, s.loss_owner
+    engine._start_clock(undo)
+    engine.install_recompute(blocks, pl.recomputed_blocks, undo)
+    if isinstance(engine.optimizer, OffloadedAdamW) and engine.optimizer.overlap_step:
+        engine.install_step_overlap(blocks, undo)
+    for name, value in ((_ATTR, engine), ("trainstream_stats", engine.stats), ("trainstream_plan", pl)):
+        model.__dict__[name] = value
+        undo.callback(model.__dict__.pop, name, None)
+
+
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          config: TrainStreamConfig | None = None, **options):
     """Installs the offload engine on ``model`` (and ``optimizer``); the training loop stays unchanged.
+
+    All or nothing: if any step fails, everything done so far is undone before the error propagates, and the
+    model (its layers, parameters and where they live, hooks) and the optimizer are exactly as given.
 
     Args:
         model: a transformers causal LM (or a PEFT model around one) on its compute device (a GPU, or
@@ -312,238 +631,55 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     Raises:
         RuntimeError: the model is already wrapped.
-        ValueError: (several processes) the model is already inside DistributedDataParallel, ``grads="host"``,
-            ``optimizer_in_backward``, trainable paged weights, or the processes planned differently
-            (``engine/distributed.py``); ``optimizer_in_backward`` with paged trainable weights.
+        ValueError: a model the engine does not train (encoder-decoder, no repeated blocks, weights on ``meta``);
+            ``grads="device"`` when the plan pages trainable weights; (several processes) the model is already
+            inside DistributedDataParallel, ``grads="host"``, ``optimizer_in_backward``, trainable paged weights,
+            or the processes planned differently (``engine/distributed.py``); ``optimizer_in_backward`` with
+            paged trainable weights.
         BudgetError: the model cannot be trained within ``vram_budget``.
         HostMemoryError: the host cannot hold what the plan puts there (checked before pinning).
     """
-    data_parallel.check_not_ddp(model)
-    if engine_of(model) is not None:
-        raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
-    config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
-    if optimizer is not None:
-        own = {id(p) for p in model.parameters()}
-        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
-        if foreign:
-            raise ValueError(f"wrap: the optimizer holds {foreign} tensor(s) that are not parameters of this model; "
-                             "build it from this model's parameters (e.g. model.parameters())")
-    # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
-    dp_group = data_parallel.process_group(config.data_parallel, config.grads)
-    if dp_group is not None and config.optimizer_in_backward:
-        raise ValueError("optimizer_in_backward cannot be used with several processes (DistributedDataParallel): it "
-                         "needs host gradients, which DDP's reducer would never see (engine/distributed.py); turn it "
-                         "off (or data_parallel=False if the processes train independent models)")
+    config, dp_group = _configure(model, optimizer, config, options)
     # peer: one host copy of a frozen paged base per host (engine/peer.py); a collective, on every rank of the group
     peers = Peers.find(dp_group, config.peer)
     if dp_group is not None and config.grads == "auto":
         config = replace(config, grads="device")
     if config.optimizer_in_backward and config.grads == "auto":
         config = replace(config, grads="host")  # the updates start from the host-mode gradient hook
-    if config.outliers and config.quantize is None:
-        raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: "
-                         "set quantize too")
-    if config.quantize is not None:
-        # The frozen linear layers (a PEFT model's base; never a trainable layer or the output head) are packed in
-        # place, one at a time, before the plan measures anything. This is not undone if wrap fails later.
-        quantize_frozen_base(model, config.quantize, config.outliers)
-    device = _compute_device(model)
-    if config.device is not None:
-        device = torch.device(config.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    blocks = find_blocks(model)
-    batch_shape = config.batch_shape or _default_batch_shape(model)
-    block_set = {id(m) for b in blocks for m in b.modules()}
-    _move_outside_blocks(model, block_set, device)
-    # The second block is measured (the forward runs up to its end): the first one's input needs no gradient
-    # when the embedding is frozen, so it saves less than every later block. Measured, not estimated: the
-    # analytic formula missed LoRA's and the norms' saved tensors by ~40% on the H200 (benchmarks/NOTES.md).
-    probe = min(1, len(blocks) - 1)
-    homes = [{p.device for p in b.parameters()} for b in blocks[:probe + 1]]
-    for b, home in zip(blocks, homes):
-        if home != {device}:
-            b.to(device)  # for the measurement only; the plan decides where it lives
-    loss_owner = _install_chunked_loss(model) if config.chunked_loss else None
-    norms = None
-    if config.fused_norms:  # before the block is measured: the fused norm saves less
-        norms = FusedNorms()
-        try:
-            norms.install(model.modules())
-        except BaseException:
-            norms.uninstall()
-            _remove_chunked_loss(loss_owner)
-            raise
-    casts = None
-    if config.elide_casts:
-        casts = CastSources()
-        if not casts.install(m for b in blocks for m in b.modules()):
-            casts = None
-    try:
-        m = planner.measure_block(model, blocks[probe], batch_shape, device, casts=casts)
-        head = planner.measure_head(model, batch_shape, device)
-        for b, home in zip(blocks, homes):
-            if home != {device}:
-                b.to(next(iter(home)) if len(home) == 1 else "cpu")
+    engine = Engine(model, config, optimizer)
+    s = _Setup(model, config, optimizer is not None, dp_group, keep=[])
+    with contextlib.ExitStack() as undo:
+        _prepare(s, undo)
+        pl = _make_plan(s)
+        _allocate(engine, s, pl, peers, undo)
+        _install(engine, s, pl, peers, undo)
+        for k in s.keep:
+            k.commit()  # wrap succeeded: the quantized layers and the new placement stay
+        engine._undo = undo.pop_all()
+    return model, engine.optimizer
 
-        def make_plan(activation_bytes):
-            return planner.plan(
-                model, list(blocks), batch_shape=batch_shape, vram_budget=config.vram_budget, device=device,
-                offload_optimizer=config.offload_optimizer if optimizer is not None else False,
-                grads=config.grads, offload_activations=config.offload_activations,
-                page_weights=config.page_weights, slots=config.slots, prefetch=config.prefetch,
-                min_offload_numel=config.min_offload_numel, recompute=config.recompute,
-                activation_bytes=activation_bytes, input_bytes=None if m is None else m.input_bytes,
-                forward_seconds=None if m is None else m.forward_seconds, head_bytes=head)
 
-        pl = make_plan(None if m is None else m.activation_bytes)
-        if config.elide_casts == "auto" and casts is not None and m is not None and \
-                m.raw_activation_bytes <= m.activation_bytes:
-            # Nothing to elide (no widening cast saved: bf16 autocast, or LoRA's native path, which saves the
-            # narrow input itself): the hooks would cost a Python call per saved tensor for nothing.
-            casts.uninstall()
-            casts = None
-        elif config.elide_casts == "auto" and casts is not None and m is not None:
-            # Cast elision only saves memory, and costs a Python hook per saved tensor plus a cast per saved copy in
-            # backward (8B nf4 LoRA on the H200: 256 casts and ~1500 hooked tensors per step, with 5.7 GiB of the
-            # budget unused). Without it, if every block still keeps its activations and weights on the device.
-            plain = _plan_or_none(make_plan, m.raw_activation_bytes)
-            if plain is not None and not (plain.paged_blocks or plain.offloaded_activation_blocks
-                                          or plain.recomputed_blocks) and \
-                    (plain.offload_optimizer, plain.grads) == (pl.offload_optimizer, pl.grads):
-                casts.uninstall()
-                casts, pl = None, plain
-        streams = TransferStreams(device)
-        arena = HostArena(config.host_arena if config.host_arena not in (None, 0) else "auto",
-                          pinned=None if config.host_arena not in (None, 0) else False,
-                          slab_bytes=config.host_arena_slab, pageable_fallback=config.pageable_fallback)
-        # Pin what the plan needs now, in one go: pinning is slow (~0.4 s/GiB on the H200 host) and a host too
-        # small must be refused here, with needed vs available, not in the middle of a step.
-        if arena.growable:
-            # Paged weights that already sit in host RAM are moved block by block (each original freed once
-            # copied), so their slabs are pinned as the pager goes, while the memory they replace is released.
-            # Frozen paged weights shared with the other processes of this host (peer) go to shared memory instead.
-            elsewhere = sum(p.numel() * p.element_size() for i in pl.paged_blocks for p in blocks[i].parameters()
-                            if p.device.type == "cpu" or (peers is not None and peers.active and not p.requires_grad))
-            arena.reserve(max(0, pl.host_bytes() - elsewhere))
-        elif pl.host_bytes() > arena.stats()["reserved"] and not config.pageable_fallback:
-            arena.close()
-            raise ValueError(f"host_arena={config.host_arena!r} reserves {arena.stats()['reserved']} bytes but the "
-                             f"plan puts {pl.host_bytes()} bytes in host RAM; raise host_arena, use 'auto', or set "
-                             "pageable_fallback=True")
-    except BaseException:
-        if casts is not None:
-            casts.uninstall()
-        if norms is not None:
-            norms.uninstall()
-        _remove_chunked_loss(loss_owner)
-        raise
-    hooks = BlockHooks(blocks)
-    pager = offloader = shared = None
-    new_opt = optimizer
-    ddp_hidden, ddp_ignore = False, None  # whether (and over what) hide_frozen_from_ddp set DDP's ignore list
-    try:
-        expandable = (wants_expandable_segments(config.expandable_segments, device, bool(pl.paged_blocks))
-                      and enable_expandable_segments())
-        # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the
-        # device optimizer: paging them would save little and put them on the CPU optimizer.
-        paged_filter = lambda n, p: not p.requires_grad or p.numel() >= pl.min_offload_numel  # noqa: E731
-        if peers is not None:
-            # Every rank allocates (a collective), paging or not: a rank that planned differently gets no sharing
-            # here and the plan check below raises on all of them.
-            sizes = {}
-            if pl.paged_blocks:
-                selected, _ = select_params(hooks, pl.paged_blocks, device, paged_filter)
-                sizes = {i: block_bytes(ps) for i, ps in selected.items() if not any(p.requires_grad for p in ps)}
-            shared = peers.allocate(sizes, pin=arena.pinned)
-        failure = None
-        try:
-            if pl.paged_blocks:
-                pager = WeightPager(hooks, streams, arena, blocks=pl.paged_blocks, slots=pl.slots,
-                                    prefetch=pl.prefetch, param_filter=paged_filter,
-                                    host_buffers=shared.views if shared is not None else None,
-                                    fill_host_buffers=shared is None or shared.writer)
-        except BaseException as e:
-            failure = e
-        if peers is not None:
-            peers.agree(failure)  # raises on every rank when the pager failed on one
-        elif failure is not None:
-            raise failure
-        # Whatever the pager did not take (unpaged blocks, small trainable parameters, buffers) goes to the
-        # compute device; paged parameters are device placeholders already, so .to() leaves them alone.
-        for b in blocks:
-            b.to(device)
-        if pl.offloaded_activation_blocks or casts is not None:
-            offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
-                                            min_bytes=parse_bytes(config.min_activation_bytes), casts=casts,
-                                            prefetch=pl.activation_prefetch())
-        names = dict((id(p), n) for n, p in model.named_parameters())
-        paged = set(map(id, pager.paged_parameters())) if pager is not None else set()
-        offload = []
-        if optimizer is not None:
-            wanted = set(pl.offload_optimizer)
-            offload = [p for g in optimizer.param_groups for p in g["params"]
-                       if names.get(id(p)) in wanted or (id(p) in paged and p.requires_grad)]
-        if dp_group is not None:
-            # Every rank checks the same plan first, so that a refusal below is raised on all of them at once; the
-            # broadcast comes before the optimizer reads its fp32 masters from the parameters.
-            paged_params = pager.paged_parameters() if pager is not None else []
-            data_parallel.check_same_plan({"paged": sorted(names.get(id(p), "?") for p in paged_params),
-                                           "offloaded": sorted(names.get(id(p), "?") for p in offload),
-                                           "grads": pl.grads}, device, dp_group)
-            data_parallel.check_no_trainable_paged(model, paged_params)
-            # A process that maps a host copy another one fills (peer) does not write into it.
-            host = [pager.host_tensor(p) for p in paged_params]
-            reads = [shared is not None and not shared.writer and shared.holds(t) for t in host]
-            data_parallel.broadcast_from_rank0(host + [p.data for p in offload], device, dp_group,
-                                               write=[not r for r in reads] + [True] * len(offload))
-            ddp_ignore = data_parallel.hide_frozen_from_ddp(model, paged_params, device, dp_group)
-            ddp_hidden = True
-            if peers is not None:
-                peers.barrier()  # the leaders' writes into shared host memory are done before any process reads
-        if optimizer is not None:
-            if offload:
-                sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
-                grads_mode = "host" if (pl.grads == "host" or sinks) else "device"
-                pl.grads = grads_mode
-                overlap = config.overlap_step
-                if overlap == "auto":
-                    # in backward, the updates run on the step's worker thread on the CPU device too
-                    overlap = (streams.is_cuda or config.optimizer_in_backward) and not sinks
-                new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=grads_mode,
-                                         param_sink=sinks, overlap_step=bool(overlap),
-                                         optimizer_in_backward=config.optimizer_in_backward)
-    except BaseException:
-        # Nothing half-installed survives a failed wrap: the model goes back to how it came in.
-        if ddp_hidden:
-            data_parallel.restore_ddp_ignore(model, ddp_ignore)
-        if pager is not None:
-            pager.unwrap()
-        if offloader is not None:
-            offloader.close()
-        if casts is not None:
-            casts.uninstall()
-        if norms is not None:
-            norms.uninstall()
-        _remove_chunked_loss(loss_owner)
-        hooks.remove()
-        arena.close()
-        raise
-    engine = Engine(model, config, pl, streams=streams, arena=arena, hooks=hooks, pager=pager,
-                    offloader=offloader, optimizer=new_opt, user_optimizer=optimizer)
-    engine.casts = casts
-    engine.norms = norms
-    engine.shared_host = shared
-    engine.ddp_ignore = (ddp_ignore,) if ddp_hidden else None  # unwrap puts DDP's ignore list back
-    engine.expandable_segments = expandable
-    engine.loss_owner = loss_owner
-    engine.install_recompute(blocks, pl.recomputed_blocks)
-    if isinstance(new_opt, OffloadedAdamW) and new_opt.overlap_step:
-        engine.install_step_overlap(blocks)
-    model.__dict__[_ATTR] = engine
-    model.__dict__["trainstream_stats"] = engine.stats
-    model.__dict__["trainstream_plan"] = pl
-    return model, new_opt
+def plan(model: nn.Module, batch_shape: tuple[int, int] | None = None, config: TrainStreamConfig | None = None,
+         **options) -> planner.Plan:
+    """The plan :func:`wrap` would install for ``model`` with an optimizer, from the same steps (the block is
+    measured, quantization applied); everything is undone before it returns, so the model is as given.
+
+    Args:
+        model: as for :func:`wrap`.
+        batch_shape: (batch, sequence) to plan for; default the config's, else (1, the model's context up to 2048).
+        config, **options: as for :func:`wrap`.
+    """
+    if batch_shape is not None:
+        options = {**options, "batch_shape": tuple(batch_shape)}
+    config, dp_group = _configure(model, None, config, options)
+    if dp_group is not None and config.grads == "auto":
+        config = replace(config, grads="device")
+    if config.optimizer_in_backward and config.grads == "auto":
+        config = replace(config, grads="host")
+    s = _Setup(model, config, True, dp_group, keep=[])
+    with contextlib.ExitStack() as undo:
+        _prepare(s, undo)
+        return _make_plan(s)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

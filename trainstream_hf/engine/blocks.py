@@ -18,7 +18,7 @@ from typing import Iterator
 
 from torch import nn
 
-__all__ = ["Blocks", "find_blocks", "TABLE"]
+__all__ = ["Blocks", "find_blocks", "check_wrappable", "TABLE", "SUPPORTED"]
 
 # model_type -> the block list's qualified name, matched as a suffix of the module name (so it also holds
 # under PEFT's ``base_model.model.`` prefix). Only for models where the generic rule picks wrongly.
@@ -33,6 +33,11 @@ TABLE: dict[str, str] = {
     "glm_ocr": "language_model.layers",
     "paddleocr_vl": "language_model.layers",
 }
+
+
+# What the engine trains, for the errors that refuse anything else.
+SUPPORTED = ("decoder-only causal LMs (transformers' *ForCausalLM, or a PEFT model around one) whose layers are an "
+             "nn.ModuleList of same-class blocks")
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,41 @@ def find_blocks(model: nn.Module, path: str | None = None) -> Blocks:
         candidates = [(n, m) for n, m in lists if len(m) >= 2 and len({type(c) for c in m}) == 1]
     if not candidates:
         raise ValueError(
-            f"find_blocks: {type(model).__name__} has no repeated blocks: no nn.ModuleList of "
-            "GradientCheckpointingLayer / _no_split_modules classes, nor of two or more same-class modules. "
-            "Pass path='name.of.the.ModuleList' (or add the model type to trainstream_hf.engine.blocks.TABLE)")
+            f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of two or more same-class layers); "
+            f"trainstream_hf supports {SUPPORTED}: load such a model (e.g. AutoModelForCausalLM.from_pretrained), "
+            "or hold your own layers in an nn.ModuleList")
     name, found = max(candidates, key=lambda nm: (_n_params(nm[1]), len(nm[1])))
     return Blocks(model, name, tuple(found))
+
+
+def _is_encoder_decoder(model: nn.Module) -> bool:
+    for m in model.modules():
+        if getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True:
+            return True
+        if isinstance(getattr(m, "encoder", None), nn.Module) and isinstance(getattr(m, "decoder", None), nn.Module):
+            return True
+    return False
+
+
+def check_wrappable(model: nn.Module) -> None:
+    """Refuses, with what is supported and what to do, a model the engine cannot train.
+
+    Args:
+        model: what the user passed to ``wrap`` / ``plan``.
+
+    Raises:
+        ValueError: an encoder-decoder model (T5, BART, Whisper, ...), a model without repeated blocks, or one
+            with parameters or buffers on the ``meta`` device (no values to train or page).
+    """
+    name = type(model).__name__
+    if _is_encoder_decoder(model):
+        raise ValueError(f"{name} is an encoder-decoder model, which trainstream_hf does not support; it trains "
+                         f"{SUPPORTED}: use a decoder-only model (e.g. AutoModelForCausalLM.from_pretrained)")
+    find_blocks(model)  # raises its own message when there are no repeated blocks
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"{name} has {len(meta)} parameter(s) or buffer(s) on the meta device, which hold no "
+                         f"values (first: {meta[0]}); trainstream_hf trains a model whose weights are loaded: build it "
+                         "outside torch.device('meta') / init_empty_weights() (e.g. "
+                         "AutoModelForCausalLM.from_pretrained without a device_map that offloads to 'disk'), or call "
+                         "model.to_empty(device='cpu') and load_state_dict(...) first")

@@ -17,12 +17,22 @@ Two modes, chosen per optimizer (``OffloadedAdamW(grads=...)``):
   finished) or when the step needs the sums. Folding is first-in first-out, so every parameter's sum is
   taken in the order autograd produced the terms, as torch's in-place accumulation does.
 
+In host mode ``p.grad`` still shows each offloaded parameter's gradient: the parameter's class becomes a subclass
+(:class:`HostGradParameter`) whose ``grad`` returns the host buffer (a CPU tensor shaped like the parameter, waited
+for) when autograd's own slot is empty. So ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, Accelerate's
+and the Trainer's clipping, and code that reads gradients see every gradient, and scaling one in place scales what
+the step applies; ``p.grad = None`` (``zero_grad``) drops it. Once ``optimizer.step()`` has taken the gradients
+``p.grad`` is None (torch's would hold them until ``zero_grad``). The engine's hooks hold their owner weakly, so a
+model dropped without ``unwrap`` frees everything (a hook on a parameter is held from C++, where Python's cyclic gc
+cannot see it).
+
 With ``single_term=True`` (the optimizer's ``optimizer_in_backward``) each parameter takes exactly one gradient per
 step: every gradient, fp16 included, is copied as it is into a host buffer of its own dtype and the ring is never
 used, so :meth:`HostGradients.take` of one parameter may run on another thread while backward fills the others.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -31,10 +41,67 @@ from torch import nn
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
-__all__ = ["HostGradients", "GRAD_MODES"]
+__all__ = ["HostGradients", "HostGradParameter", "GRAD_MODES", "device_grad"]
 
 GRAD_MODES = ("device", "host")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GRAD = torch._C.TensorBase.grad  # autograd's own .grad slot (the descriptor HostGradParameter overrides)
+_OWNER = "_trainstream_host_grads"  # instance attribute: weakref to the HostGradients holding the host gradient
+
+
+class HostGradParameter(nn.Parameter):
+    """The class an offloaded parameter takes while its gradient lives in host RAM (host mode): ``grad`` returns
+    autograd's device gradient when there is one (inside backward, before the engine's hook moves it), else the host
+    gradient, a CPU tensor of the parameter's true shape (fp32, or bf16 for a single bf16 term); ``grad = None``
+    drops the host gradient too. Everything else is ``nn.Parameter``'s; :meth:`HostGradients.remove_hooks` gives
+    the parameter its class back."""
+
+    @property
+    def grad(self):
+        g = _GRAD.__get__(self)
+        if g is not None:
+            return g
+        ref = self.__dict__.get(_OWNER)
+        owner = ref() if ref is not None else None
+        return owner.visible_grad(self) if owner is not None else None
+
+    @grad.setter
+    def grad(self, value):
+        _GRAD.__set__(self, value)
+        if value is None:
+            ref = self.__dict__.get(_OWNER)
+            owner = ref() if ref is not None else None
+            if owner is not None:
+                owner.discard(self)
+
+
+_SWAPPED: dict[type, type] = {nn.Parameter: HostGradParameter}
+
+
+def _host_grad_class(cls: type) -> type | None:
+    """The HostGradParameter flavour of parameter class ``cls`` (None: a class that defines its own ``grad``)."""
+    if cls not in _SWAPPED:
+        if not issubclass(cls, nn.Parameter) or any("grad" in vars(k) for k in cls.__mro__[:cls.__mro__.index(
+                nn.Parameter)]):
+            return None
+        _SWAPPED[cls] = type(f"HostGrad{cls.__name__}", (HostGradParameter, cls), {})
+    return _SWAPPED[cls]
+
+
+def device_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """Autograd's own gradient of ``p`` (what AccumulateGrad wrote), never the host gradient ``p.grad`` shows."""
+    return _GRAD.__get__(p)
+
+
+def _weak_hook(method):
+    """A post-accumulate-grad hook calling the bound ``method`` through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p):
+        m = ref()
+        if m is not None:
+            m(p)
+    return hook
 
 
 class _GradBuffer:
@@ -100,8 +167,19 @@ class HostGradients:
         self._pending: list[tuple[_GradBuffer, torch.Tensor, Transfer] | None] = [None] * staging_slots
         self._next = 0
         self._hooks = []
+        self._classes: dict[nn.Parameter, type] = {}  # host mode: parameters given HostGradParameter, their class
+        # host mode: called before a host gradient is shown through ``p.grad``; returns False while the
+        # gradients belong to a running step (then ``p.grad`` is None), raises where they cannot be shown
+        self.before_read: Callable[[], bool] | None = None
         if mode == "host":
-            self._hooks = [p.register_post_accumulate_grad_hook(hook or self._on_grad) for p in self._params]
+            self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(hook or self._on_grad))
+                           for p in self._params]
+            for p in self._params:
+                cls = _host_grad_class(type(p))
+                if cls is not None:
+                    self._classes[p] = type(p)
+                    p.__class__ = cls
+                    p.__dict__[_OWNER] = weakref.ref(self)
 
     @staticmethod
     def _low_dtype(p: nn.Parameter, mode: str, single_term: bool) -> bool:
@@ -126,8 +204,8 @@ class HostGradients:
     def check_device_grads(self) -> None:
         """Validates every device gradient of an offloaded parameter (called before anything mutates)."""
         for p in self._params:
-            if p.grad is not None:
-                self.check(p, p.grad)
+            if (g := device_grad(p)) is not None:
+                self.check(p, g)
 
     # -- filling --------------------------------------------------------------------------------
     def _copy(self, grad: torch.Tensor, out: torch.Tensor) -> Transfer:
@@ -142,11 +220,12 @@ class HostGradients:
         freed, as the hook would have done.
         """
         for p in self._params:
-            if p.grad is None:
+            g = device_grad(p)
+            if g is None:
                 continue
             if self.mode == "device":
                 buf = self._bufs[p]
-                buf.transfer = self._copy(p.grad, buf.host)
+                buf.transfer = self._copy(g, buf.host)
                 buf.filled = True
             else:
                 self._on_grad(p)
@@ -157,7 +236,7 @@ class HostGradients:
         self._on_grad(p)
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        grad = p.grad
+        grad = device_grad(p)
         if grad is None:
             return
         self.check(p, grad)
@@ -181,7 +260,7 @@ class HostGradients:
             stage = self._ring[i][: grad.numel() * grad.element_size()].view(grad.dtype)
             self._pending[i] = (buf, stage, self._copy(grad, stage))
         # the copy has recorded grad's memory on the D2H stream, so the allocator keeps it until it is done
-        p.grad = None
+        _GRAD.__set__(p, None)  # autograd's slot only: the host gradient just filled stays
 
     def _fold(self, i: int) -> None:
         entry = self._pending[i]
@@ -231,6 +310,29 @@ class HostGradients:
         self.collect()
         return {p: g for p in self._params if (g := self.take(p)) is not None}
 
+    def visible_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """``p.grad`` of a host-mode parameter whose device slot is empty: its host gradient shaped like ``p``
+        (waited for), or None when it has none or a running step owns it (see :attr:`before_read`)."""
+        if self.before_read is not None and not self.before_read():
+            return None
+        buf = self._bufs.get(p)
+        if buf is None or (not buf.filled and not any(e is not None and e[0] is buf for e in self._pending)):
+            return None
+        g = self.take(p)
+        return None if g is None else g.view(self._shapes[p])
+
+    def discard(self, p: nn.Parameter) -> None:
+        """``p.grad = None`` on a host-mode parameter: its host gradient (pending terms included) is dropped."""
+        if self.before_read is not None and not self.before_read():
+            return  # a running step owns (and consumes) it
+        buf = self._bufs.get(p)
+        if buf is None:
+            return
+        if any(e is not None and e[0] is buf for e in self._pending):
+            self._drain()
+        buf.wait()
+        buf.filled = buf.in_low = False
+
     # -- life cycle -----------------------------------------------------------------------------
     def consume(self) -> None:
         """Marks every host gradient empty (after the step used them, or on ``zero_grad``).
@@ -244,9 +346,14 @@ class HostGradients:
         self._pending = [None] * self._ring_size
 
     def remove_hooks(self) -> None:
+        """Removes the gradient hooks and gives every parameter its own class back."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p, cls in self._classes.items():
+            p.__class__ = cls
+            p.__dict__.pop(_OWNER, None)
+        self._classes = {}
 
     def nbytes(self) -> int:
         """Host bytes held by the gradient buffers and the staging ring."""

@@ -39,7 +39,7 @@ from torch import nn
 
 from trainstream_hf import ops
 from trainstream_hf.engine.arena import HostArena
-from trainstream_hf.engine.grads import GRAD_MODES, HostGradients
+from trainstream_hf.engine.grads import GRAD_MODES, HostGradients, device_grad
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
 __all__ = ["OffloadedAdamW"]
@@ -233,6 +233,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                     staging_slots=grad_staging_slots, shapes={p: s.shape for p, s in sinks.items()},
                                     single_term=self.optimizer_in_backward,
                                     hook=self._grad_in_backward if self.optimizer_in_backward else None)
+        self._grads.before_read = self._grads_readable
         self._sync_state()
         self._ready = True
 
@@ -437,7 +438,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _step_in_backward(self, t_step: float) -> None:
         for p in self._slots:  # gradients that did not come through the hook (assigned by hand): none normally
-            if p.grad is not None:
+            if device_grad(p) is not None:
                 self._grad_in_backward(p)
         self._in_backward = {}
         self._step_device()
@@ -548,8 +549,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._refuse_in_backward("clip_grad_norm_", "clip the gradients")
         self.synchronize()
         host = self._grads.host_grads()
-        tensors = [host[p] if p in host else p.grad for g in self.param_groups for p in g["params"]
-                   if p in host or p.grad is not None]
+        tensors = [host[p] if p in host else device_grad(p) for g in self.param_groups for p in g["params"]
+                   if p in host or device_grad(p) is not None]
         total = torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
         if not tensors:
             return total
@@ -568,6 +569,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return {p: g.view(self._slots[p].shape) for p, g in self._grads.host_grads().items()}
 
     clip_grad_norm = clip_grad_norm_  # the name some trainers look for on the optimizer
+
+    def _grads_readable(self) -> bool:
+        """Whether host gradients may be shown through ``p.grad`` now (:class:`HostGradParameter`): not while an
+        overlapped step owns them (they are None then, as consumed); an error between a backward and ``step()``
+        with ``optimizer_in_backward``, whose updates already consumed them (a clip would silently see none)."""
+        if self._in_backward:
+            raise RuntimeError("p.grad of an offloaded parameter: with optimizer_in_backward=True its gradient was "
+                               "consumed by its update during backward, so it cannot be read or clipped; turn "
+                               "optimizer_in_backward off to clip (or set max_grad_norm=0 / do not clip)")
+        return self._pending is None
 
     def _refuse_in_backward(self, what: str, to: str) -> None:
         if self.optimizer_in_backward:
@@ -612,22 +623,41 @@ class OffloadedAdamW(torch.optim.Optimizer):
         Group hyper-parameters are updated in the shared group dicts (they stay the same objects). An
         offloaded parameter without 'master' takes its master weight from its current value, so load the
         model weights first.
+
+        Raises:
+            ValueError: the groups differ in number or size, a hyper-parameter is unsupported, or an entry of
+                ``state`` does not fit its parameter (a moment or master of another shape, a step that is not a
+                non-negative scalar, a missing key); the message names the parameter (see
+                :meth:`set_param_names`) and both shapes. Everything is checked before anything is written, so
+                on error the optimizer is exactly as it was.
         """
         self._drain()
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"OffloadedAdamW.load_state_dict: expected an optimizer state dict (keys 'state' and "
+                             f"'param_groups'), got {got}; pass optimizer.state_dict(), not the model's")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("loaded state dict has a different number of param groups or group sizes")
+            raise ValueError("OffloadedAdamW.load_state_dict: the state dict has param groups of sizes "
+                             f"{[len(s['params']) for s in saved_groups]}, this optimizer "
+                             f"{[len(g['params']) for g in self.param_groups]}; load one saved for this model and "
+                             "optimizer (same parameters, same groups)")
         for s, g in zip(saved_groups, self.param_groups):
             _hyper(self._cls, {**g, **s})  # validate before anything changes
         index = {i: p for s, g in zip(saved_groups, self.param_groups) for i, p in zip(s["params"], g["params"])}
+        # An absent or empty entry: a parameter not stepped yet (its state starts afresh).
+        saved = {i: st for i, st in state_dict["state"].items() if not (st is None or isinstance(st, dict) and not st)}
+        for i, p in index.items():
+            if i in saved:
+                self._check_entry(i, p, saved[i])
+        # Nothing below raises on input that passed the checks above.
         for s, g in zip(saved_groups, self.param_groups):
             g.update({k: v for k, v in s.items() if k != "params"})
-        saved = state_dict["state"]
         for i, p in index.items():
             if p in self._slots:
-                if saved.get(i):
-                    self._load_slot(self._slots[p], saved[i])
+                if i in saved:
+                    self._load_slot(self._slots[p], saved[i], index=i)
                 else:
                     self._slots[p].reset()
         if self._device_opt is not None:
@@ -645,7 +675,74 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._device_groups = [(g, dg) for (g, _), dg in zip(self._device_groups, self._device_opt.param_groups)]
         self._sync_state()
 
-    def _load_slot(self, slot: _Slot, st: dict) -> None:
+    def set_param_names(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> None:
+        """Names the parameters in this optimizer's error messages (e.g. ``model.named_parameters()``).
+
+        Without it, a parameter is named from its group's ``param_names`` (an optimizer built over
+        ``model.named_parameters()``), else by its place, ``param_groups[g]['params'][k]``.
+        """
+        mine = {p for g in self.param_groups for p in g["params"]}
+        self._param_names = {p: n for n, p in named_parameters if p in mine}
+
+    def _label(self, p: nn.Parameter) -> str:
+        name = getattr(self, "_param_names", {}).get(p)
+        if name is not None:
+            return f"parameter {name!r}"
+        for g, group in enumerate(self.param_groups):
+            for k, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    if isinstance(names, (list, tuple)) and len(names) == len(group["params"]):
+                        return f"parameter {names[k]!r}"
+                    return f"parameter param_groups[{g}]['params'][{k}]"
+        return "a parameter"
+
+    def _check_entry(self, index, p: nn.Parameter, st) -> None:
+        """Raises a one-line ValueError unless ``st`` is an Adam state entry that fits ``p`` (shape of each moment
+        and master, step a non-negative scalar); writes nothing.
+
+        Shapes are compared exactly: ``copy_`` into the flat host buffers would broadcast a 1-element moment over
+        the whole parameter, and torch's own ``load_state_dict`` takes any shape and fails at the next step.
+        """
+        slot = self._slots.get(p)
+        # an offloaded parameter's data may be the pager's empty placeholder: its slot has the true shape
+        shape = tuple(slot.shape) if slot is not None else tuple(p.shape)
+        where = "OffloadedAdamW.load_state_dict: " + ("the optimizer's state" if index is None else f"state[{index!r}]")
+        fix = "load a state dict saved for this model and optimizer (same parameters, same order)"
+        if not isinstance(st, dict):
+            raise ValueError(f"{where} for {self._label(p)} (shape {shape}) is a {type(st).__name__}, expected a "
+                             f"dict with 'step', 'exp_avg' and 'exp_avg_sq'; {fix}")
+        keys = ("exp_avg", "exp_avg_sq") + (("master",) if slot is not None and "master" in st else ())
+        for key in ("step",) + keys[:2]:
+            if key not in st:
+                raise ValueError(f"{where} for {self._label(p)} (shape {shape}) has no {key!r} "
+                                 f"(its keys: {', '.join(map(repr, st)) or 'none'}); {fix}")
+        step = st["step"]
+        if isinstance(step, torch.Tensor):
+            ok = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+            value = float(step.reshape(-1)[0]) if ok else None
+        else:
+            ok = isinstance(step, (int, float)) and not isinstance(step, bool)
+            value = float(step) if ok else None
+        if not ok or not 0 <= value < float("inf"):
+            what = (f"a tensor of shape {tuple(step.shape)}" if isinstance(step, torch.Tensor) and not ok else
+                    repr(value) if ok else repr(step))
+            raise ValueError(f"{where}['step'] for {self._label(p)} is {what}, not a finite non-negative number (a "
+                             f"one-element tensor or a float); {fix}")
+        if slot is None and p.numel() == 0:
+            return  # a frozen parameter paged to host: its placeholder has no shape to check against
+        for key in keys:
+            t = st[key]
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+                raise ValueError(f"{where}[{key!r}] for {self._label(p)} is {got}, expected a floating-point tensor "
+                                 f"of shape {shape}; {fix}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{where}[{key!r}] for {self._label(p)} has shape {tuple(t.shape)}, the parameter "
+                                 f"has shape {shape}; {fix}")
+
+    def _load_slot(self, slot: _Slot, st: dict, index=None) -> None:
+        self._check_entry(index, slot.param, st)  # before the first write: a bad entry changes nothing
         slot.wait_h2d()
         slot.exp_avg.copy_(st["exp_avg"].reshape(-1))
         slot.exp_avg_sq.copy_(st["exp_avg_sq"].reshape(-1))
@@ -668,6 +765,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._drain()
         for s in self._slots.values():
             s.read_param()
+
+    @torch.no_grad()
+    def reload_masters(self, params: Iterable[nn.Parameter]) -> None:
+        """:meth:`load_master_from_params` for ``params`` only (those not offloaded are ignored): after new values
+        were written into some parameters or their sinks (a pager's ``load_state_dict``)."""
+        self._drain()
+        for p in params:
+            slot = self._slots.get(p)
+            if slot is not None:
+                slot.read_param()
 
     @torch.no_grad()
     def release(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ def _skipped(name: str, skip: tuple[str, ...]) -> bool:
 
 def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outliers: float = 0.0,
                    skip: str | tuple[str, ...] | list[str] = ("lm_head",), *, act_quant: bool | None = None,
-                   device: torch.device | str | None = None) -> nn.Module:
+                   device: torch.device | str | None = None,
+                   replaced: Callable[[nn.Module, str, nn.Module], None] | None = None) -> nn.Module:
     """Replaces every ``nn.Linear`` and transformers ``Conv1D`` of ``model`` by a frozen :class:`QuantLinear`.
 
     Layers are converted one at a time and each original is released as soon as its replacement is in place, so
@@ -51,6 +53,8 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
         act_quant: see :class:`QuantLinear` (default None: per device, see
             :func:`~trainstream_hf.quant.matmul.default_act_quant`).
         device: where to run the quantization (default: where each weight is).
+        replaced: called as ``replaced(parent, child_name, original)`` once each layer is swapped, before the
+            original is released (``wrap`` keeps them, in host RAM, to put them back if it fails).
 
     Returns:
         ``model`` (or the :class:`QuantLinear` when ``model`` itself is an ``nn.Linear``).
@@ -99,11 +103,14 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
         if new is None:
             new = done[id(old)] = QuantLinear.from_linear(old, fmt, outliers, act_quant=act_quant, device=device)
         setattr(parent, child, new)
+        if replaced is not None:
+            replaced(parent, child, old)
         del old, new
     return model
 
 
-def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0) -> list[str]:
+def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0, *,
+                         replaced: Callable[[nn.Module, str, nn.Module], None] | None = None) -> list[str]:
     """Packs the frozen ``nn.Linear`` layers of ``model`` in place (a PEFT model's base layers; never a trainable one,
     never the output head), one layer at a time on the device each weight is on.
 
@@ -112,6 +119,7 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0)
             layers untouched (an optimizer built over them stays valid).
         quantize: a format of ``trainstream_hf.quant.FORMATS``.
         outliers: see :class:`~trainstream_hf.QuantLinear`.
+        replaced: see :func:`quantize_model`.
 
     Returns:
         The qualified names of the layers packed.
@@ -128,5 +136,5 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0)
     if not frozen:
         raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
                          "layer trains): add PEFT LoRA adapters, or leave quantize unset")
-    quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",))
+    quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",), replaced=replaced)
     return [n for n in frozen if isinstance(model.get_submodule(n), QuantLinear)]
