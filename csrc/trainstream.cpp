@@ -17,6 +17,8 @@ bool built_with_cuda() {
 #endif
 }
 
+void init_gc_pauses(pybind11::module_& m);  // csrc/runtime/gc_pauses.cpp
+
 }  // namespace trainstream
 
 TORCH_LIBRARY(trainstream, m) {
@@ -79,7 +81,8 @@ TORCH_LIBRARY(trainstream, m) {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "trainstream_hf native runtime: host arena, shared host memory, staging pool (ops live in torch.ops.trainstream)";
+  m.doc() = "trainstream_hf native runtime: host arena, shared host memory, staging pool, gc pause counter "
+            "(ops live in torch.ops.trainstream)";
   m.def("fp8_activation_cache", &trainstream::fp8_activation_cache, pybind11::arg("clear") = false,
         "The FP8 layer's kept activation quantization: [kept (0/1), hits, misses]; clear=True drops it first.");
   m.def("fp8_gemm_setting", &trainstream::fp8_gemm_setting, pybind11::arg("choice") = pybind11::none(),
@@ -117,4 +120,5 @@ PYBIND11_MODULE(_C, m) {
   trainstream::init_arena(m);
   trainstream::init_staging(m);
   trainstream::init_shared_host(m);
+  trainstream::init_gc_pauses(m);
 }

@@ -17,7 +17,6 @@ import contextlib
 import os
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -120,10 +119,11 @@ class Engine:
         self.streams.timeline = self.timeline
         undo.callback(setattr, self.streams, "timeline", None)
         self.hooks.add(_StepClock(self))
-        self._gc = GcPauses().start()  # Python GC pauses per step (engine/gcstats.py)
+        # Python GC pauses per step (engine/gcstats.py). A model dropped without unwrap must not leave the counter in
+        # gc.callbacks: it removes itself when the engine dies, in native code (a Python finalizer could run in the
+        # middle of a step and swallow a Ctrl-C).
+        self._gc = GcPauses().start(owner=self)
         undo.callback(self._gc.stop)
-        # A model dropped without unwrap must not leave the counter in gc.callbacks for the life of the process.
-        weakref.finalize(self, self._gc.stop)
 
     # -- statistics -------------------------------------------------------------------------------
     def _begin_step(self) -> None:

@@ -8,7 +8,8 @@
 // The creator reserves the pages up front (posix_fallocate): a /dev/shm too small for the segment is an error
 // here, not a SIGBUS at the first write. The name is unlinked (shared_host_unlink) once every process has mapped
 // the segment, so nothing is left in /dev/shm whatever happens next; the pages go when the last mapping does. A
-// tensor's deleter unregisters and unmaps its mapping.
+// tensor's deleter unregisters and unmaps its mapping. Every error of shared_host_create removes the name it made;
+// a creator killed before the unlink leaves it to the next run (remove_stale_segments in engine/peer.py).
 #include <atomic>
 #include <cerrno>
 #include <cstring>

@@ -62,6 +62,21 @@ def test_records_only_exact_widening_casts_under_grad():
     assert len(cs) == 0                           # entries die with their cast output
 
 
+def test_the_cast_map_stays_bounded_without_weakref_callbacks():
+    """Dead entries are pruned as the map grows (no Python callback runs where a tensor is freed)."""
+    cs = CastSources()
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    kept = []
+    for i in range(20000):
+        y = x.float()
+        cs.record(x, y)
+        if i % 1000 == 0:
+            kept.append(y)
+    del y
+    assert len(cs) == len(kept) and len(cs._map) <= 2048
+    assert all(cs.source(y)[0] is x and cs.source(y)[1] is y for y in kept)
+
+
 def test_source_resolves_views_and_rejects_changed_tensors():
     cs = CastSources()
     x = torch.randn(2, 3, 8, dtype=torch.bfloat16)

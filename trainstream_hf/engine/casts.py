@@ -23,6 +23,8 @@ from torch import nn
 
 from trainstream_hf.engine.hooks import is_dense
 
+_PRUNE_AT = 1024  # entries in the cast map before its dead ones are first dropped
+
 __all__ = ["CastSources", "CastOf"]
 
 _METHOD = "_cast_input_dtype"
@@ -62,11 +64,13 @@ class CastSources:
     def __init__(self):
         # id(out) -> (weakref(out), out version, weakref(src), src version)
         self._map: dict[int, tuple[weakref.ref, int, weakref.ref, int]] = {}
+        self._prune_at = _PRUNE_AT
         self._patched: list[nn.Module] = []
         self.recorded = 0
 
     def __len__(self) -> int:
-        return len(self._map)
+        """Live entries (recorded cast outputs still alive)."""
+        return sum(1 for e in self._map.values() if e[0]() is not None)
 
     # -- recording ------------------------------------------------------------------------------
     def record(self, src, out) -> None:
@@ -83,9 +87,13 @@ class CastSources:
         if out._base is not None or out.storage_offset() != 0 or out.size() != src.size() \
                 or out.stride() != src.stride() or not is_dense(src):
             return
-        key = id(out)
-        self._map[key] = (weakref.ref(out, lambda _r, k=key, m=self._map: m.pop(k, None)), out._version,
-                          weakref.ref(src), src._version)
+        # No weakref callback to drop the entry when ``out`` dies: it would run Python code wherever the tensor is
+        # freed (inside backward), where a Ctrl-C raised in it is printed and lost. Dead entries are pruned here
+        # instead, whenever the map has doubled (``source`` checks that an entry's tensor is still the one asked).
+        if len(self._map) >= self._prune_at:
+            self._map = {k: e for k, e in self._map.items() if e[0]() is not None}
+            self._prune_at = max(_PRUNE_AT, 2 * len(self._map))
+        self._map[id(out)] = (weakref.ref(out), out._version, weakref.ref(src), src._version)
         self.recorded += 1
 
     def source(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -18,12 +18,16 @@ Collectives: :meth:`Peers.find` and :meth:`Peers.allocate` run on every process 
 the others hang here; it gets no sharing, and ``check_same_plan`` raises on every rank right after. A host whose
 processes cannot share (``/dev/shm`` too small, separate mount namespaces) falls back to private copies with one
 warning under ``peer="auto"``, and raises on every rank under ``peer=True``. The segment's name is unlinked as
-soon as every process of the host has mapped it (or failed to), so nothing is left in ``/dev/shm`` whatever
-happens next; its pages go when the last process unmaps them (the last view of the weights dies).
+soon as every process of the host has mapped it (or failed to), or when anything before that raises, so nothing is
+left in ``/dev/shm`` whatever happens next; its pages go when the last process unmaps them (the last view of the
+weights dies). A leader killed between creating and unlinking (SIGKILL, OOM killer) cannot clean up: its segment
+(``trainstream-<pid>-<pid namespace>-<random>``, as large as the frozen base) is removed by the next leader of the
+host once that pid no longer runs.
 """
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import socket
 import warnings
@@ -34,10 +38,64 @@ import torch.distributed as dist
 
 from trainstream_hf import _C
 
-__all__ = ["Peers", "SharedHost", "host_key", "shared_bytes", "pinned_shared_bytes"]
+__all__ = ["Peers", "SharedHost", "host_key", "shared_bytes", "pinned_shared_bytes", "remove_stale_segments"]
 
 # Byte alignment of each block's buffer in the segment (a page: DMA and the CPU both like it).
 _ALIGN = 4096
+# Where glibc's shm_open keeps the segments, and the names made here: trainstream-<pid>-<pid namespace>-<random>
+# (trainstream-<pid>-<random> before the namespace was part of it).
+_SHM_DIR = "/dev/shm"
+_SEGMENT = re.compile(r"trainstream-([1-9][0-9]*)(?:-([0-9]+))?-[0-9a-f]{12}")
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode; 0 when unknown): a pid names a process only inside it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _segment_name(pid: int) -> str:
+    """A fresh segment name owned by ``pid`` of this pid namespace."""
+    return f"/trainstream-{pid}-{_pid_namespace()}-{secrets.token_hex(6)}"
+
+
+def _runs(pid: int) -> bool:
+    """``pid`` is a live process (or one of another user's, which we may not signal: taken as live)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Removes the segments that leaders killed during setup left in ``/dev/shm``; returns their names.
+
+    Only names made by :meth:`Peers.allocate` in this pid namespace (another namespace's pids mean other
+    processes), owned by this user, whose pid no longer runs: a live leader's segment is never touched.
+    """
+    ns = _pid_namespace()
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        m = _SEGMENT.fullmatch(entry)
+        if m is None or (m[2] is not None and int(m[2]) != ns) or _runs(int(m[1])):
+            continue
+        try:
+            if os.stat(os.path.join(_SHM_DIR, entry)).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        if _C.shared_host_unlink("/" + entry):
+            removed.append(entry)
+    return removed
 
 
 def host_key() -> str:
@@ -153,27 +211,33 @@ class Peers:
         layouts = self._gather(sorted(sizes.items()))
         same = all(layouts[r] == layouts[self.rank] for r in self.local)
         share = self.active and total > 0 and same
-        # 1. the leader creates the segment
         name, error = None, None
-        if share and self.is_leader:
-            name = f"/trainstream-{os.getpid()}-{secrets.token_hex(6)}"
-            try:
-                flat = _C.shared_host_create(name, total, pin)
-            except RuntimeError as e:
-                name, error = None, str(e)
-        made = self._gather((name, error))
-        name = made[self.leader][0] if share else None
-        if share and name is None and not self.is_leader:
-            error = f"the leader (rank {self.leader}) could not create the segment: {made[self.leader][1]}"
-        # 2. the others map it; 3. the leader removes the name once every process of its host has tried
-        if name is not None and not self.is_leader:
-            try:
-                flat = _C.shared_host_open(name, total, pin)
-            except RuntimeError as e:
-                name, error = None, str(e)
-        opened = self._gather(error)
-        if self.is_leader and name is not None:
-            _C.shared_host_unlink(name)
+        created = None  # the name this process made and has not removed yet
+        try:
+            # 1. the leader creates the segment
+            if share and self.is_leader:
+                remove_stale_segments()
+                name = created = _segment_name(os.getpid())  # set first: an interrupt may follow the call at once
+                try:
+                    flat = _C.shared_host_create(name, total, pin)
+                except RuntimeError as e:  # nothing was left (shared_host.cpp removes the name on its errors)
+                    name = created = None
+                    error = str(e)
+            made = self._gather((name, error))
+            name = made[self.leader][0] if share else None
+            if share and name is None and not self.is_leader:
+                error = f"the leader (rank {self.leader}) could not create the segment: {made[self.leader][1]}"
+            # 2. the others map it; 3. the leader removes the name once every process of its host has tried, or
+            # as soon as anything raises (a peer that died makes the collective fail)
+            if name is not None and not self.is_leader:
+                try:
+                    flat = _C.shared_host_open(name, total, pin)
+                except RuntimeError as e:
+                    name, error = None, str(e)
+            opened = self._gather(error)
+        finally:
+            if created is not None:
+                _C.shared_host_unlink(created)
         failed = [(r, e) for r, e in enumerate(opened) if e is not None]
         if failed and self.required:
             r, e = failed[0]
