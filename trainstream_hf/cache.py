@@ -17,7 +17,8 @@ Schedule, for each ``update(key_states, value_states, layer_idx)`` (``P`` = ``pr
 
 Guards: a copy into a slot waits for all work queued on the compute stream (every attention kernel that
 read the slot's previous occupant has been enqueued: layers run in order) and for the last D2H copy (which
-may still read the slot, or still be writing the host pages the copy reads). Host pages are released only
+may still read the slot, or still be writing the host pages the copy reads). A slot given to a layer with
+nothing to copy in (its prefill) is written by the compute stream only after the D2H copy that last read it. Host pages are released only
 after a host synchronisation, which happens on growth, ``reorder_cache`` and ``close`` only.
 
 Layout: every buffer is token-major, ``[capacity, batch, heads, head_dim]``, so the first ``L`` tokens of
@@ -254,6 +255,7 @@ class PagedKVCache(Cache):
         self._slot_of: dict[int, int] = {}
         self._pending: dict[int, Transfer] = {}  # copies issued, not yet waited on by the compute stream
         self._d2h_event = None  # last D2H copy; FIFO stream, so it covers all earlier ones
+        self._slot_read: list = []  # per slot: the last D2H copy that reads it (None: none, or done)
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, loads_ahead=0, loads_on_demand=0, growths=0)
 
     # -- transformers Cache API -------------------------------------------------------------------
@@ -283,6 +285,7 @@ class PagedKVCache(Cache):
             if not layer.resident:  # the host pages stay the truth: slots are only borrowed
                 self._streams.to_host(k[n:n + q], layer.k[n:n + q])
                 self._d2h_event = self._streams.to_host(v[n:n + q], layer.v[n:n + q]).event
+                self._slot_read[self._slot_of[layer_idx]] = self._d2h_event  # the slot's reader until then
                 self._stats["d2h_bytes"] += _nbytes(k[n:n + q]) + _nbytes(v[n:n + q])
             s = layer.start()  # from the past length, as get_mask_sizes saw it
             layer.length = n + q
@@ -349,7 +352,7 @@ class PagedKVCache(Cache):
         for layer in self._paged():
             layer.k = layer.v = None
             layer.length, layer.is_initialized = 0, False
-        self._slot_k, self._slot_v, self._occupant = [], [], []
+        self._slot_k, self._slot_v, self._occupant, self._slot_read = [], [], [], []
         self._slot_of.clear()
         self._pending.clear()
         self._d2h_event = None
@@ -416,6 +419,7 @@ class PagedKVCache(Cache):
         self._slot_k = [torch.empty(nk, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
         self._slot_v = [torch.empty(nv, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
         self._occupant = [None] * self.num_slots
+        self._slot_read = [None] * self.num_slots
         self._slot_of.clear()
         self._pending.clear()
 
@@ -453,10 +457,15 @@ class PagedKVCache(Cache):
         if i not in self._slot_of:
             if self._load(i, current=i, protect={i}):
                 self._stats["loads_on_demand"] += 1
+        slot = self._slot_of[i]
         transfer = self._pending.pop(i, None)
         if transfer is not None:
-            transfer.wait()
-        return self._views(self._slot_of[i], self.layers[i])
+            transfer.wait()  # the copy itself waited for every D2H copy issued before it
+        elif self._streams.is_cuda and self._slot_read[slot] is not None:
+            # Nothing copied in (a new layer's prefill, an empty window): the compute stream writes the slot next,
+            # while the D2H copy of its previous occupant's new tokens may still be reading it.
+            torch.cuda.current_stream(self._device).wait_event(self._slot_read[slot])
+        return self._views(slot, self.layers[i])
 
     def _prefetch_after(self, i: int) -> None:
         off = self.offloaded_layers

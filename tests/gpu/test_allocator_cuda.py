@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent("""
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
     ref = LlamaForCausalLM(cfg).cuda()
     model = copy.deepcopy(ref)
-    model, _ = ts.wrap(model, None, vram_budget="64GiB", page_weights=True, batch_shape=(2, 64), host_arena=None)
+    model, _ = ts.wrap(model, None, vram_budget="64GiB", page_weights=True, min_offload_numel=0, batch_shape=(2, 64),
+                       host_arena=None)
     assert ts.engine_of(model).expandable_segments
     ids = torch.randint(0, 512, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     # Wrapped without an optimizer, a step closes at the next forward of block 0: two steps, stats of the first.

@@ -190,4 +190,28 @@ def test_offloaded_layers_hold_no_device_memory():
     # DynamicCache holds all 8 layers on the device (and copies one while growing it); we hold 2 slots.
     saved = ref_peak - peak
     assert saved >= 0.9 * (8 - 2) * per_layer, (ref_peak, peak, per_layer)
-    assert torch.equal(toks, ref_toks)
+    # Tokens: the first (the prefill's) only. At this size the model's own decode is not bit-reproducible on an H100
+    # (DynamicCache against itself parted at step 25 of 32 at a near-tie, deterministic algorithms on or off,
+    # scripts/diag_cache.py, 2026-12-06); exactness is tested on K/V (test_prefill_into_reused_slots_keeps_every_
+    # layers_kv, test_update_exact_under_a_slow_compute_stream) and on tokens at smaller sizes.
+    assert torch.equal(toks[:, 0], ref_toks[:, 0])
+
+
+def test_prefill_into_reused_slots_keeps_every_layers_kv():
+    """Prefill of 8 offloaded layers through 2 slots: each layer's slot was its predecessor's, whose D2H copy of
+    a long prefill may still be reading it; the host pages must hold exactly DynamicCache's K/V (this raced: the
+    compute stream overwrote the slot, and decoding then differed from the first token on)."""
+    model = _llama(torch.bfloat16, layers=8, hidden=512, heads=8, kv_heads=8, vocab=256)
+    ids = _ids(batch=8, length=1024, vocab=256)
+    paged = TrainStreamCache(model, resident=0.0, slots=2, max_cache_len=ids.shape[1] + 4)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **{CACHE_KW: paged}, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **{CACHE_KW: ref}, use_cache=True, logits_to_keep=1)
+    torch.cuda.synchronize()
+    paged._sync()
+    n = ids.shape[1]
+    for i, layer in enumerate(paged.layers):
+        assert torch.equal(layer.k[:n].permute(1, 2, 0, 3).cuda(), ref.layers[i].keys), i
+        assert torch.equal(layer.v[:n].permute(1, 2, 0, 3).cuda(), ref.layers[i].values), i
+    paged.close()
