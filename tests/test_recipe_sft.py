@@ -102,8 +102,6 @@ def test_trainer_loop_gives_the_plain_loop_losses(sft, tmp_path, schedule):
 
 @pytest.mark.parametrize("args, error, match", [
     (["--loop", "bogus"], ConfigError, r"loop: expected 'plain' \| 'trainer', got 'bogus'"),
-    (["--loop", "trainer", "--trainstream.grads", "host"], ConfigError,
-     r"trainstream\.grads='host' keeps gradients where the Trainer's clipping cannot see them \(loop: trainer\)"),
     (["--train.step", "5"], ConfigError, r"unknown option train\.step \(did you mean train\.steps\?\)"),
     (["--mixed_precision", "fp16"], ConfigError, r"mixed_precision: expected 'auto' \| 'no' \| 'bf16', got 'fp16'"),
     (["--lora.rank", "8"], ConfigError, r"unknown option lora\.rank; the options of lora are: r, alpha"),

@@ -81,8 +81,8 @@ class TrainStreamConfig:
         "help": "fp32 master weights and AdamW moments of large trainable parameters in host RAM, stepped on "
                 "the CPU: 'auto' (when the plan needs the room), True or False."})
     grads: str = field(default="auto", metadata={
-        "help": "Gradients of offloaded parameters: 'device' (kept until step; torch's clip_grad_norm_ works), "
-                "'host' (moved during backward; clip with optimizer.clip_grad_norm_) or 'auto'."})
+        "help": "Gradients of offloaded parameters: 'device' (kept until step), 'host' (moved to host RAM during "
+                "backward) or 'auto'. Either way p.grad shows them, so torch's clip_grad_norm_ clips them all."})
     offload_activations: str | bool = field(default="auto", metadata={
         "help": "Saved activations of blocks in host RAM between forward and backward: 'auto', True or False."})
     recompute: str | bool = field(default="auto", metadata={

@@ -17,6 +17,7 @@ import contextlib
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -595,8 +596,10 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed
         new_opt.set_param_names(model.named_parameters())
         engine.optimizer = new_opt
-    if pager is not None and hasattr(pager, "track_state_dict"):
+    if pager is not None:
         pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
+    elif isinstance(engine.optimizer, OffloadedAdamW):
+        _track_masters(model, engine.optimizer, undo)
     engine.plan = pl
     engine.casts, engine.norms, engine.loss_owner = s.casts, s.norms, s.loss_owner
     engine._start_clock(undo)
@@ -606,6 +609,34 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     for name, value in ((_ATTR, engine), ("trainstream_stats", engine.stats), ("trainstream_plan", pl)):
         model.__dict__[name] = value
         undo.callback(model.__dict__.pop, name, None)
+
+
+def _track_masters(model: nn.Module, opt: OffloadedAdamW, undo: contextlib.ExitStack) -> None:
+    """``state_dict()`` after the optimizer's step is in (an overlapped one included), and ``load_state_dict()``
+    into the parameters that the optimizer keeps fp32 masters of makes it read them again: otherwise its next step
+    would write the old weights back over the loaded ones (the Trainer's ``load_best_model_at_end``). With paged
+    weights the pager does both (``WeightPager.track_state_dict``)."""
+    ref = weakref.ref(opt)  # the model's hook dicts must not keep the optimizer alive
+    named = list(model.named_parameters())
+    loading: list = []
+
+    def before_save(module, prefix, keep_vars):
+        if (o := ref()) is not None:
+            o.synchronize()
+
+    def before_load(module, state_dict, prefix, *args):
+        if (o := ref()) is not None:
+            o.synchronize()
+        loading[:] = [p for n, p in named if prefix + n in state_dict]
+
+    def after_load(module, incompatible_keys):
+        params, loading[:] = list(loading), []
+        if (o := ref()) is not None and params:
+            o.reload_masters(params)
+
+    for h in (model.register_state_dict_pre_hook(before_save), model.register_load_state_dict_pre_hook(before_load),
+              model.register_load_state_dict_post_hook(after_load)):
+        undo.callback(h.remove)
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

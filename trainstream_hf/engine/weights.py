@@ -34,11 +34,16 @@ Trainable paged parameters get their ``.grad`` on the device as usual (Accumulat
 block is resident). Their values live on the host: an optimizer writes updated weights into
 :meth:`WeightPager.host_tensor`, and blocks with trainable parameters are copied again at the next step
 (their device copy is dropped at every ``step_start``, or on :meth:`WeightPager.invalidate`).
+
+So a paged parameter's ``data`` is never its value to read (a placeholder, or a slot holding the weights of before
+the last optimizer step): :meth:`WeightPager.track_state_dict` makes ``state_dict()`` give the host copies and
+``load_state_dict()`` write them, which is what checkpoints (the Trainer's, ``save_pretrained``) go through.
 """
 from __future__ import annotations
 
 import bisect
 import warnings
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -240,6 +245,10 @@ class WeightPager(BlockListener):
         self._current: int | None = None
         self._stats = {"h2d_bytes": 0, "h2d_copies": 0, "loads_forward": 0, "loads_backward": 0,
                        "reused_backward": 0, "weight_refs": 0}
+        self._module_hooks: list = []  # handles of the state-dict hooks (track_state_dict)
+        self._optimizer = None  # weakref to the optimizer whose masters track the host copies (track_state_dict)
+        self._state_dict_calls: dict[int, bool] = {}  # id(block module) -> keep_vars of the state_dict() under way
+        self._loading: dict[int, tuple[list[str], list[nn.Parameter]]] = {}  # id(block module) -> keys taken, loaded
         self.closed = False
         hooks.add(self)
 
@@ -291,6 +300,9 @@ class WeightPager(BlockListener):
         detaches from the hooks. Idempotent."""
         if self.closed:
             return
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
         self.hooks.discard(self)
         if self.streams.is_cuda:
             # Copies still in flight write into slots that are about to be freed on the compute stream.
@@ -310,6 +322,114 @@ class WeightPager(BlockListener):
         self.closed = True
 
     close = unwrap
+
+    # -- state dicts ----------------------------------------------------------------------------
+    def track_state_dict(self, root: nn.Module, optimizer=None) -> None:
+        """Makes ``state_dict()`` and ``load_state_dict()`` deal in the paged parameters' values, their host copies.
+
+        * ``state_dict()`` of ``root`` (or of any module holding a paged block) first waits for ``optimizer``'s step
+          (``synchronize()``: an overlapped step's updates are all in), then gives each paged parameter as a view of
+          its host copy: no copy, live as torch's detached parameters are, and with a storage of its own, so that
+          safetensors and ``save_pretrained`` do not take the parameters of one flat buffer for tied weights.
+          ``keep_vars=True`` keeps the parameters themselves.
+        * ``load_state_dict()`` writes the values given for paged parameters into their host copies (a shape that
+          does not fit is reported as torch reports any size mismatch: the parameter's name and both shapes), drops
+          the device copies of their blocks, and has ``optimizer`` read their fp32 masters again; a load into
+          ``root`` has it read those of the other parameters it loaded too (torch copies them into ``data``), or
+          its next step would put the old weights back.
+
+        Args:
+            root: the wrapped model.
+            optimizer: the engine's :class:`~trainstream_hf.engine.optimizer.OffloadedAdamW` holding masters of
+                paged parameters, or None.
+
+        :meth:`unwrap` removes the hooks; a second call replaces them.
+        """
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        paged = {id(p) for p in self.paged_parameters()}
+        unpaged = [(n, p) for n, p in root.named_parameters() if id(p) not in paged]
+        self._module_hooks += [root.register_state_dict_pre_hook(_weakly(self._before_state_dict)),
+                               root.register_load_state_dict_pre_hook(_weakly(self._root_load_pre, unpaged)),
+                               root.register_load_state_dict_post_hook(_weakly(self._root_load_post))]
+        for j in self._order:
+            module = self.hooks.layers[j]
+            names = {id(p): n for n, p in module.named_parameters()}
+            entries = [(names[id(p)], k) for k, p in enumerate(self._blocks[j].params)]
+            self._module_hooks += [
+                module.register_state_dict_pre_hook(_weakly(self._state_dict_pre)),
+                module.register_state_dict_post_hook(_weakly(self._state_dict_post, j, entries)),
+                module.register_load_state_dict_pre_hook(_weakly(self._load_pre, j, entries)),
+                module.register_load_state_dict_post_hook(_weakly(self._load_post, j))]
+
+    def _sync_optimizer(self) -> None:
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None:
+            opt.synchronize()
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._sync_optimizer()  # (the root's: also the offloaded parameters that are not paged)
+
+    def _state_dict_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._sync_optimizer()
+        self._state_dict_calls[id(module)] = keep_vars
+
+    def _state_dict_post(self, j: int, entries, module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+        if self._state_dict_calls.pop(id(module), False) or self.closed:
+            return  # keep_vars=True: the caller asked for the parameters themselves
+        b = self._blocks[j]
+        for name, k in entries:
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = _own_storage_view(b.host_flat, b.offsets[k], b.host[k])
+
+    def _load_pre(self, j: int, entries, module: nn.Module, state_dict, prefix, local_metadata, strict,
+                  missing_keys, unexpected_keys, error_msgs) -> None:
+        # Taken out of the dict, so torch's own loading neither compares them with the placeholders nor copies into a
+        # slot; the post-hook takes them off the missing keys again.
+        self._sync_optimizer()
+        self.wait_copies()  # no copy in flight still reads a host buffer written below
+        b = self._blocks[j]
+        taken, loaded = [], []
+        for name, k in entries:
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue  # absent (torch reports it missing) or not a tensor (torch reports that)
+            del state_dict[key]
+            taken.append(key)
+            host = b.host[k]
+            if value.shape != host.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                                  f"the shape in current model is {host.shape}.")
+                continue
+            with torch.no_grad():
+                host.copy_(value)
+            loaded.append(b.params[k])
+        self._loading[id(module)] = (taken, loaded)
+
+    def _root_load_pre(self, unpaged, module: nn.Module, state_dict, prefix, *args) -> None:
+        self._sync_optimizer()
+        self._loading[id(module)] = ([], [p for n, p in unpaged if prefix + n in state_dict])
+
+    def _root_load_post(self, module: nn.Module, incompatible_keys) -> None:
+        _, loaded = self._loading.pop(id(module), ((), ()))
+        opt = self._optimizer() if self._optimizer is not None else None
+        if loaded and opt is not None:
+            opt.reload_masters(loaded)
+
+    def _load_post(self, j: int, module: nn.Module, incompatible_keys) -> None:
+        taken, loaded = self._loading.pop(id(module), ((), ()))
+        if taken:
+            gone = set(taken)
+            incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in gone]
+        if loaded:
+            self.invalidate([j])
+            opt = self._optimizer() if self._optimizer is not None else None
+            if opt is not None:
+                opt.reload_masters(loaded)
 
     # -- listener -------------------------------------------------------------------------------
     def step_start(self) -> None:
@@ -432,6 +552,30 @@ class WeightPager(BlockListener):
 
     def _placeholder(self, p: nn.Parameter) -> torch.Tensor:
         return torch.empty(0, dtype=p.dtype, device=self.device)
+
+
+def _weakly(method, *bound):
+    """A module hook calling the bound ``method`` (with ``bound`` first) through a weak reference to its object: the
+    model's hook dicts must not keep the pager alive."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        m = ref()
+        if m is not None:
+            m(*bound, *args)
+    return hook
+
+
+def _own_storage_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``flat`` (uint8, host) at ``offset`` that hold ``like``, as a tensor with ``like``'s dtype, shape
+    and strides, no copy, over a storage of its own that starts there (a view of ``flat`` would share ``flat``'s
+    storage, which ``save_pretrained`` and safetensors read as tied weights)."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+    # numpy's slice keeps ``flat`` alive; from_numpy wraps exactly those bytes in a new storage
+    raw = torch.from_numpy(flat.numpy()[offset:offset + nbytes])
+    return _typed_view(raw, 0, like)
 
 
 def _unmark(p: nn.Parameter) -> None:

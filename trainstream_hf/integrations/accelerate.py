@@ -99,13 +99,6 @@ class TrainStreamAccelerator(Accelerator):
             self.trainstream_model = model
         return super().prepare(*args, device_placement=device_placement)
 
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """Accelerate's clip, or the engine optimizer's when gradients live in host RAM."""
-        opt = next((o.optimizer for o in self._optimizers if hasattr(o, "optimizer")), None)
-        if opt is not None and getattr(opt, "grads_mode", None) == "host":
-            return opt.clip_grad_norm_(max_norm, norm_type)
-        return super().clip_grad_norm_(parameters, max_norm, norm_type)
-
     def end_training(self):
         if self.trainstream_model is not None and engine_of(self.trainstream_model) is not None:
             unwrap(self.trainstream_model)

@@ -22,11 +22,16 @@ place first (:func:`quantize_frozen_base`). Targets transformers 5.17-5.24 and a
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.quant.linear import QuantLinear
@@ -85,18 +90,15 @@ class TrainStreamCallback(TrainerCallback):
             when, and if, it needs the plain model.
         **options: :class:`TrainStreamConfig` fields, e.g. ``vram_budget="24GiB"``.
 
-    Gradients stay on the device (the Trainer clips them with ``torch.nn.utils.clip_grad_norm_`` through
-    Accelerate, which cannot see gradients held in host RAM) unless ``grads="host"`` is asked for and
-    ``max_grad_norm`` is 0. Those of paged trainable weights (a full fine-tune whose blocks are paged) go to host
-    RAM whatever ``grads`` says: only the engine trainers (:class:`EngineTrainerMixin`) clip them. fp16 mixed
-    precision (a GradScaler) is refused: use bf16.
+    The Trainer clips as it always does (``max_grad_norm``, through Accelerate's ``clip_grad_norm_`` over
+    ``model.parameters()``) and logs the true ``grad_norm`` whatever ``grads`` says: a gradient held in host RAM
+    (``grads="host"``, or a paged trainable weight, whose gradient always goes there) is what that parameter's
+    ``p.grad`` shows (``engine/grads.py``). fp16 mixed precision (a GradScaler) is refused: use bf16.
     """
 
     def __init__(self, config: TrainStreamConfig | None = None, *, unwrap_at_end: bool = True, **options):
         base = config.to_dict() if config is not None else {}
         base.update(options)
-        if base.get("grads", "auto") == "auto":
-            base["grads"] = "device"
         self.config = TrainStreamConfig(**base)
         self.unwrap_at_end = unwrap_at_end
         self.model = None
@@ -125,9 +127,6 @@ class TrainStreamCallback(TrainerCallback):
         """Wraps ``model`` and ``optimizer`` (a plain torch optimizer) for the Trainer's ``args``; returns the
         optimizer to use. A model not on ``args.device`` yet (the engine trainers skip the Trainer's own move) is
         placed there by the engine, paged blocks staying in host RAM."""
-        if self.config.grads == "host" and args.max_grad_norm:
-            raise ValueError("TrainStreamCallback: grads='host' keeps gradients where the Trainer's clipping "
-                             "cannot see them; set max_grad_norm=0 or use grads='device'")
         refuse_quantized_without_adapters(model, "TrainStreamCallback")
         shape = self.config.batch_shape or (args.per_device_train_batch_size,
                                              getattr(getattr(model, "config", None), "max_position_embeddings",
@@ -268,7 +267,7 @@ class TrainStreamTrainingArguments(TrainingArguments):
             offload_optimizer=flag(self.trainstream_offload_optimizer),
             offload_activations=flag(self.trainstream_offload_activations),
             page_weights=flag(self.trainstream_page_weights), recompute=flag(self.trainstream_recompute),
-            timeline=self.trainstream_timeline, grads="device",
+            timeline=self.trainstream_timeline,
             min_offload_numel=self.trainstream_min_offload_numel,
             min_activation_bytes=self.trainstream_min_activation_bytes)
 
@@ -291,14 +290,92 @@ def engine_config(args, trainstream_config: TrainStreamConfig | None) -> TrainSt
     return trainstream_config
 
 
+STAGING_PREFIX = ".trainstream-tmp-"  # <run_dir>/.trainstream-tmp-<step>/checkpoint-<step>: a checkpoint being written
+
+
+def _fsync(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a filesystem without fsync on directories (some network ones): the rename still orders what it can
+    finally:
+        os.close(fd)
+
+
+def publish_checkpoint(staged: str, final: str) -> None:
+    """Moves the fully written checkpoint folder ``staged`` to ``final`` (both in one run directory) by renames, once
+    its files are on disk: a reader (``resume_from_checkpoint=True``) sees either no ``final`` or a complete one, also
+    after a kill or a crash at any point. A folder already at ``final`` (a run resumed from an earlier step saves that
+    step again) is set aside first and removed last. The staging folder around ``staged`` is removed."""
+    for folder, _, files in os.walk(staged):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
+    staging = os.path.dirname(staged)
+    if os.path.lexists(final):
+        os.rename(final, os.path.join(staging, "replaced"))
+    os.rename(staged, final)
+    _fsync(os.path.dirname(final))
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """transformers' ``rotate_checkpoints`` (5.25: the oldest go until ``save_total_limit`` are left, never the newest
+    nor the best), each folder first renamed into a staging folder and removed there: a kill while it is being
+    deleted leaves no partial ``checkpoint-*`` behind."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    checkpoints = sort_checkpoints(run_dir, use_mtime=True)
+    protected = {checkpoints[-1]} if checkpoints else set()
+    if best_model_checkpoint is not None:
+        protected.add(str(Path(best_model_checkpoint)))
+    remaining = len(checkpoints)
+    for folder in checkpoints:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if folder not in protected:
+            doomed = os.path.join(run_dir, f"{STAGING_PREFIX}removed-{os.path.basename(folder)}")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.rename(folder, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            remaining -= 1
+
+
+def remove_staging(run_dir: str) -> list[str]:
+    """Removes the staging folders a killed run left in ``run_dir`` (a checkpoint it never finished writing, or one it
+    was deleting). Returns those removed."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return []
+    stale = [os.path.join(run_dir, n) for n in names if n.startswith(STAGING_PREFIX)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 class EngineTrainerMixin:
     """For Trainer subclasses with the engine: it is installed when the optimizer is created, before Accelerate's
     ``prepare`` (which moves the whole model to the device), and the Trainer's own move in ``__init__`` is skipped,
     so a model larger than the GPU can stay in host RAM until the engine places it (paged blocks stay there).
-    Subclasses call :meth:`_ts_setup` before ``Trainer.__init__`` and :meth:`_ts_attach` after it."""
+    Subclasses call :meth:`_ts_setup` before ``Trainer.__init__`` and :meth:`_ts_attach` after it.
+
+    Checkpoints are written whole or not at all: each into ``<run_dir>/.trainstream-tmp-<step>/checkpoint-<step>``,
+    then renamed to ``<run_dir>/checkpoint-<step>`` (:func:`publish_checkpoint`), and those ``save_total_limit``
+    retires are renamed away before they are deleted (:func:`rotate_checkpoints`), so a run killed while saving
+    resumes (``resume_from_checkpoint=True``) from the last complete one; ``train()`` removes what such a run left.
+    A ``train()`` that raises takes out the engine it installed before the error propagates."""
 
     _ts_callback: TrainStreamCallback | None = None
     _ts_places_model: bool = False
+    _ts_engine = None  # the engine create_optimizer installed
+    _ts_given_optimizers: tuple = (None, None)  # the Trainer's optimizer and scheduler as given to __init__
+    _ts_saving: int | None = None  # the step whose checkpoint is being written (into its staging folder)
+    _ts_push: str | None = None  # a checkpoint push deferred until the checkpoint is in place
 
     def _ts_setup(self, args, trainstream_config: TrainStreamConfig | None) -> TrainStreamConfig | None:
         cfg = engine_config(args, trainstream_config)
@@ -307,6 +384,7 @@ class EngineTrainerMixin:
 
     def _ts_attach(self, cfg: TrainStreamConfig | None, unwrap_at_end: bool = True) -> None:
         refuse_quantized_without_adapters(self.model, type(self).__name__)
+        self._ts_given_optimizers = (self.optimizer, self.lr_scheduler)
         self._ts_callback = TrainStreamCallback(cfg, unwrap_at_end=unwrap_at_end) if cfg is not None else None
         if self._ts_callback is not None:
             self.add_callback(self._ts_callback)
@@ -320,16 +398,102 @@ class EngineTrainerMixin:
         optimizer = super().create_optimizer(*args, **kwargs)
         if self._ts_callback is not None and engine_of(self.model) is None:
             self.optimizer = optimizer = self._ts_callback.install(self.args, self.model, optimizer)
+            self._ts_engine = engine_of(self.model)
         return optimizer
 
-    def _clip_grad_norm(self, model):
-        # transformers 5.25's Trainer clips through Accelerate (torch.nn.utils.clip_grad_norm_ over p.grad), blind to
-        # the gradients the engine holds in host RAM (paged trainable weights); the engine's optimizer clips those and
-        # the device ones together, by the same maths.
-        clip = getattr(getattr(self.optimizer, "optimizer", self.optimizer), "clip_grad_norm_", None)
-        if clip is not None and engine_of(self.model) is not None:
-            return clip(self.args.max_grad_norm)
-        return super()._clip_grad_norm(model)
+    # -- a failed train() ---------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        if self.args.local_process_index == 0:  # one process per node: its disk may be its own
+            run_dir = self._get_output_dir(kwargs.get("trial", args[1] if len(args) > 1 else None))
+            for path in remove_staging(run_dir) + (remove_staging(self.args.output_dir)
+                                                    if run_dir != self.args.output_dir else []):
+                logger.warning("trainstream_hf: removed %s, left by a run stopped while it wrote or deleted a "
+                               "checkpoint", path)
+        before = engine_of(self.model)
+        try:
+            return super().train(*args, **kwargs)
+        except BaseException as error:
+            engine = engine_of(self.model)
+            if engine is not None and (engine is not before or engine is self._ts_engine):
+                self._ts_take_out(engine, error)
+            raise
+
+    def _ts_take_out(self, engine, error: BaseException) -> None:
+        """Unwraps the engine this trainer installed after ``train()`` failed with ``error``, and gives the Trainer
+        back the optimizer (and scheduler) it had before, so that nothing of the engine stays installed and a second
+        ``train()`` starts as the first did."""
+        try:
+            unwrap(self.model)
+        except Exception as e:  # the original error is the one to see; this one goes with it
+            error.add_note(f"trainstream_hf: unwrapping the engine after this error failed too: {e!r}")
+            logger.error("trainstream_hf: unwrapping the engine after a failed train() failed: %r", e)
+            return
+        self._ts_engine = None
+        if self._ts_callback is not None:
+            self._ts_callback.model, self._ts_callback.last = None, {}
+        if getattr(self.optimizer, "optimizer", self.optimizer) is engine.optimizer:
+            self.optimizer, self.lr_scheduler = self._ts_given_optimizers
+
+    # -- checkpoints: written whole, then renamed into place -------------------------------------------------
+    # transformers 5.25's Trainer._save_checkpoint writes everything (model, optimizer, scheduler, RNG, trainer state)
+    # into os.path.join(self._get_output_dir(trial), "checkpoint-<step>"), rotates the checkpoints of that folder, and
+    # pushes from it: it offers no other place to choose the folder, so _get_output_dir answers the staging folder
+    # while it runs, and the checkpoint is moved into the run directory after.
+    def _get_output_dir(self, trial):
+        run_dir = super()._get_output_dir(trial)
+        if self._ts_saving is not None:
+            return os.path.join(run_dir, f"{STAGING_PREFIX}{self._ts_saving}")
+        return run_dir
+
+    def _save_checkpoint(self, model, trial) -> None:
+        step = self.state.global_step
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        final = os.path.join(run_dir, name)
+        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{step}")
+        staged = os.path.join(staging, name)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # what an earlier attempt at this step left
+        self._ts_barrier()
+        self._ts_saving, self._ts_push = step, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._ts_saving = None
+        self._ts_fix_best_checkpoint(run_dir, step, staged)
+        self._ts_barrier()  # every process has written its part (rng_state_<rank>.pth, shards)
+        if self.args.should_save:
+            publish_checkpoint(staged, final)
+        self._ts_barrier()
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        elif self.args.local_process_index == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # a node whose disk the saving process does not see
+        push, self._ts_push = self._ts_push, None
+        if push is not None:
+            super()._push_from_checkpoint(final)
+
+    def _ts_fix_best_checkpoint(self, run_dir: str, step: int, staged: str) -> None:
+        """The best checkpoint as the Trainer would name it in the run directory (it looked in the staging folder), in
+        the state and in the staged trainer_state.json."""
+        best_step = self.state.best_global_step
+        if not best_step or self.args.save_strategy not in ("steps", "epoch", "best"):
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+        if (best_step == step or os.path.exists(best)) and self.state.best_model_checkpoint != best:
+            self.state.best_model_checkpoint = best
+            if self.args.should_save and os.path.isfile(os.path.join(staged, TRAINER_STATE_NAME)):
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._ts_saving is not None:
+            self._ts_push = checkpoint_folder  # pushed from its final place (uploads run in the background)
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _ts_barrier(self) -> None:
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
 
 
 class TrainStreamTrainer(EngineTrainerMixin, Trainer):

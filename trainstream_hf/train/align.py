@@ -70,9 +70,6 @@ def setup(recipe: str, cls: type, argv: list[str] | None, description: str) -> R
         # TRL's Trainer trains on the process's first visible GPU.
         raise ConfigError(f"device={cfg.device!r}: the dpo and grpo recipes train on cuda:0; pick the GPU with "
                           "CUDA_VISIBLE_DEVICES instead")
-    if cfg.wrap and cfg.trainstream.grads == "host" and cfg.train.max_grad_norm:
-        raise ConfigError("trainstream.grads='host' keeps gradients where the Trainer's clipping cannot see them: set "
-                          "train.max_grad_norm null, or trainstream.grads 'device' or 'auto'")
     report.check_output_dir(cfg.output_dir)
     datasets.disable_progress_bars()  # one bar: the training loop's
     tokenizer = data.load_tokenizer(cfg.data.tokenizer)

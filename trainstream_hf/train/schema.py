@@ -255,12 +255,6 @@ class SFTConfig(RecipeConfig):
                  "the engine when it creates its optimizer; its AdamW leaves biases and norms out of weight "
                  "decay). Both write the same summary.")
 
-    def __post_init__(self) -> None:
-        if self.loop == "trainer" and self.wrap and self.trainstream.grads == "host" and self.train.max_grad_norm:
-            raise ValueError("trainstream.grads='host' keeps gradients where the Trainer's clipping cannot see them "
-                             "(loop: trainer): set train.max_grad_norm null, trainstream.grads 'device' or 'auto', "
-                             "or loop 'plain'")
-        super().__post_init__()
 
 
 @dataclass
