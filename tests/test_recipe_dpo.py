@@ -87,7 +87,6 @@ def test_engine_gives_the_plain_trainer_figures(dpo, tmp_path):
     (["--lora.r", "null"], ConfigError, r"lora\.r: null would train every parameter.*set lora\.r"),
     (["--data.packing", "true"], ConfigError, r"unknown option data\.packing; the options of data are: train_file"),
     (["--eval.max_new_tokens", "8"], ConfigError, r"unknown option eval\.max_new_tokens; the options of eval are"),
-    (["--trainstream.grads", "host"], ConfigError, r"trainstream\.grads='host'.*train\.max_grad_norm null"),
     (["--data.max_length", "12"], ConfigError, r"data\.max_length: example \d+ has \d+ tokens > 12"),
     (["--data.train_file", "nope.jsonl"], FileNotFoundError, r"data\.train_file: no such file 'nope\.jsonl'"),
     (["--data.test_file", "nope.jsonl"], FileNotFoundError, r"data\.test_file: no such file 'nope\.jsonl'"),
