@@ -1,11 +1,16 @@
 """Decode with TrainStreamCache at several residencies and DynamicCache on one model; prints where the greedy
 tokens part and the largest logit difference per step (a race shows as run-to-run differences of one setting).
 
-    python scripts/diag_cache.py [--batch 8 --length 1024 --new 32 --layers 8 --hidden 512]
+    python scripts/diag_cache.py [--batch 8 --length 1024 --new 32 --layers 8 --hidden 512] [--out file.json]
 """
 import argparse
+import datetime
 import inspect
+import json
+import shlex
 import sys
+
+import transformers
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -36,7 +41,10 @@ def main():
     ap = argparse.ArgumentParser()
     for k, v in dict(batch=8, length=1024, new=32, layers=8, hidden=512, vocab=256).items():
         ap.add_argument(f"--{k}", type=int, default=v)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--label", default="", help="what the tree under test is (e.g. 'before the fix')")
     a = ap.parse_args()
+    rows = []
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
                       num_attention_heads=8, num_key_value_heads=8, vocab_size=a.vocab, max_position_embeddings=4096,
@@ -58,6 +66,19 @@ def main():
             print(f"{name:14s} run {rep}: tokens equal {torch.equal(t, base_t)}, first differing step "
                   f"{first[0].item() if len(first) else None}, max |dlogit| per step "
                   f"{[round(x, 4) for x in diff.tolist()[:8]]}... max {diff.max().item():.4g}", flush=True)
+            rows.append({"cache": name, "run": rep, "tokens_equal": torch.equal(t, base_t),
+                         "first_differing_step": first[0].item() if len(first) else None,
+                         "max_abs_dlogit_per_step": [round(x, 5) for x in diff.tolist()]})
+    if a.out:
+        from trainstream_hf.provenance import git_commit
+
+        commit, dirty = git_commit(".")
+        with open(a.out, "w") as f:
+            json.dump({"command": shlex.join(["python", *sys.argv]), "label": a.label, "commit": commit,
+                       "dirty": dirty, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "transformers": transformers.__version__,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "args": vars(a), "reference": "resident=1.0, first run", "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__" and sys.argv[1:2] != ["one"]:
