@@ -17,6 +17,7 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from trainstream_hf.cache import PagedKVCache, TrainStreamCache
+from trainstream_hf.engine.streams import TransferStreams
 
 transformers.logging.set_verbosity_error()
 
@@ -197,10 +198,21 @@ def test_offloaded_layers_hold_no_device_memory():
     assert torch.equal(toks[:, 0], ref_toks[:, 0])
 
 
-def test_prefill_into_reused_slots_keeps_every_layers_kv():
+@pytest.mark.parametrize("slow_d2h", [False, True])
+def test_prefill_into_reused_slots_keeps_every_layers_kv(monkeypatch, slow_d2h):
     """Prefill of 8 offloaded layers through 2 slots: each layer's slot was its predecessor's, whose D2H copy of
-    a long prefill may still be reading it; the host pages must hold exactly DynamicCache's K/V (this raced: the
-    compute stream overwrote the slot, and decoding then differed from the first token on)."""
+    its prefill may still be reading it; the host pages must hold exactly DynamicCache's K/V. This raced (the
+    compute stream overwrote the slot): decoding then differed from the first token on. ``slow_d2h`` holds every
+    D2H copy back ~1 ms on its stream, so that without the guard the overwrite happens every time."""
+    if slow_d2h:
+        to_host = TransferStreams.to_host
+
+        def slow(self, src, out):
+            if self.is_cuda:
+                with torch.cuda.stream(self.d2h):
+                    torch.cuda._sleep(2_000_000)  # GPU clock cycles: ~1 ms
+            return to_host(self, src, out)
+        monkeypatch.setattr(TransferStreams, "to_host", slow)
     model = _llama(torch.bfloat16, layers=8, hidden=512, heads=8, kv_heads=8, vocab=256)
     ids = _ids(batch=8, length=1024, vocab=256)
     paged = TrainStreamCache(model, resident=0.0, slots=2, max_cache_len=ids.shape[1] + 4)
