@@ -29,7 +29,7 @@ from trainstream_hf.config import TrainStreamConfig, parse_bytes
 from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.allocator import enable_expandable_segments, wants_expandable_segments
-from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.arena import HostArena, host_memory_available
 from trainstream_hf.engine.blocks import check_wrappable, find_blocks
 from trainstream_hf.engine.casts import CastSources
 from trainstream_hf.engine.gcstats import GcPauses
@@ -353,8 +353,20 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
 def _quantize(s: _Setup, undo: contextlib.ExitStack) -> None:
     """Packs the frozen linear layers (a PEFT model's base; never a trainable layer or the output head) in place, one
     at a time, before the plan measures anything. Until wrap succeeds each original layer is kept, in host RAM
-    (a copy of a device one), to be put back if a later step fails."""
+    (a copy of a device one), to be put back if a later step fails. Where those originals would take more than half
+    of the host's available memory they are not kept: a failure then says that the base stays packed."""
     originals = []  # (parent, child name, original layer, [(tensor, its device)])
+    frozen = sum(t.numel() * t.element_size() for m in s.model.modules() if type(m) is nn.Linear
+                 and not m.weight.requires_grad for t in m.parameters(recurse=False))
+    available = host_memory_available()
+    if available is not None and frozen > available // 2:
+        def say() -> None:  # on failure, beside the error
+            warnings.warn(f"wrap failed, and the frozen linear layers stay packed as quantize={s.config.quantize!r}: "
+                          f"a copy of their {frozen / 2**30:.1f} GiB to put back did not fit in host RAM "
+                          f"({available / 2**30:.1f} GiB available); load the model again to retry", RuntimeWarning)
+        s.keep.append(_OnFailure(undo, say))
+        quantize_frozen_base(s.model, s.config.quantize, s.config.outliers)
+        return
 
     def keep(parent: nn.Module, child: str, old: nn.Module) -> None:
         moved = []

@@ -189,3 +189,17 @@ def test_plan_is_wraps_plan_and_changes_nothing():
                          batch_shape=(2, 16), **options)
     assert str(model.trainstream_plan) == str(pl)
     ts.unwrap(model)
+
+
+def test_originals_too_large_to_keep_are_not_kept_and_a_failure_says_so(monkeypatch):
+    """Keeping a copy of the frozen base must not exhaust host RAM: past half of what is available it is not kept,
+    and a failed wrap warns that the base stays packed."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("trainstream_hf.wrap"), "host_memory_available", lambda: 1 << 10)
+    model = _lora(_llama())
+    with pytest.warns(RuntimeWarning, match="stay packed as quantize='nf4'.*load the model again"):
+        with pytest.raises(ts.BudgetError):
+            ts.wrap(model, None, quantize="nf4", vram_budget="1KiB", host_arena=None)
+    assert any(type(m).__name__ == "QuantLinear" for m in model.modules())
+    assert ts.engine_of(model) is None
