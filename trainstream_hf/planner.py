@@ -611,7 +611,6 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     named = list(model.named_parameters())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     big = [(n, p) for n, p in trainable if p.numel() >= min_offload_numel]
-    small = [(n, p) for n, p in trainable if p.numel() < min_offload_numel]
     # Activations are in the parameters' dtype (under autocast they are smaller: the estimate errs high).
     act_dtype_bytes = next(model.parameters()).element_size()
     config = getattr(model, "config", None)

@@ -5,25 +5,22 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 
 import trainstream_hf as ts
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.integrations.transformers import TrainStreamTrainer, TrainStreamTrainingArguments
+from tiny import tiny_llama, token_rows
 
 SAVE_STEPS, MAX_STEPS = 5, 10
 
 
 def _model(layers):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=32))
+    return tiny_llama(layers)
 
 
 def _data():
-    g = torch.Generator().manual_seed(7)
-    return [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (40, 16), generator=g)]
+    return token_rows(40)
 
 
 def _args(out, **kw):

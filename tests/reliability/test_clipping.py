@@ -1,14 +1,14 @@
 """Every Trainer route clips as a plain Trainer does, with paged trainable weights (whose gradients live in host RAM):
 the logged grad_norm is the true norm, and max_grad_norm changes the training."""
 import pytest
-import torch
 import transformers.trainer
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import trainstream_hf as ts
 from trainstream_hf.auto import _add_default_callback
 from trainstream_hf.integrations.transformers import (TrainStreamCallback, TrainStreamTrainer,
                                                       TrainStreamTrainingArguments)
+from tiny import tiny_llama, token_rows
 
 OPTIONS = dict(page_weights=True, offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB")
 COMMON = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, weight_decay=0.1, logging_steps=1,
@@ -16,15 +16,11 @@ COMMON = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, we
 
 
 def _model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=32))
+    return tiny_llama()
 
 
 def _data():
-    g = torch.Generator().manual_seed(7)
-    return [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (12, 16), generator=g)]
+    return token_rows(12)
 
 
 class _Engine(TrainerCallback):

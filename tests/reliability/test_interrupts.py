@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from trainstream_hf.engine.gcstats import GcPauses

@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 import trainstream_hf as ts
 from trainstream_hf.integrations.transformers import STAGING_PREFIX, TrainStreamTrainer, TrainStreamTrainingArguments
+from tiny import tiny_llama, token_rows
 
 MAX_STEPS = 24
 # what a complete checkpoint of the run holds
@@ -28,15 +29,11 @@ FILES = {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rn
 
 
 def _model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=32))
+    return tiny_llama()
 
 
 def _data():
-    g = torch.Generator().manual_seed(7)
-    return [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (4 * MAX_STEPS, 16), generator=g)]
+    return token_rows(4 * MAX_STEPS)
 
 
 def _args(out, **kw):
