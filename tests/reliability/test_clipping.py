@@ -109,3 +109,19 @@ def test_host_gradients_with_clipping(tmp_path):
     assert len(got) == len(want) == COMMON["max_steps"]
     for (n, l), (rn, rl) in zip(got, want):
         assert n == pytest.approx(rn, rel=1e-5) and l == pytest.approx(rl, rel=1e-5)
+
+
+def test_optimizer_in_backward_with_clipping_is_refused_before_training(tmp_path):
+    """Its updates run during backward, before any clip: with max_grad_norm set that is an error at train begin,
+    with the fix, not a failure at the first step's clip."""
+    model = _model()
+    from trainstream_hf.config import TrainStreamConfig
+
+    config = TrainStreamConfig(offload_optimizer=True, min_offload_numel=0, optimizer_in_backward=True,
+                               vram_budget="64GiB")
+    args = TrainingArguments(output_dir=str(tmp_path), max_grad_norm=1.0, **COMMON)
+    trainer = TrainStreamTrainer(model=model, args=args, train_dataset=_data(), trainstream_config=config)
+    with pytest.raises(ValueError, match="optimizer_in_backward=True updates each weight during backward.*"
+                                         "max_grad_norm=0"):
+        trainer.train()
+    assert ts.engine_of(model) is None

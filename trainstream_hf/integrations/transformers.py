@@ -128,6 +128,10 @@ class TrainStreamCallback(TrainerCallback):
         optimizer to use. A model not on ``args.device`` yet (the engine trainers skip the Trainer's own move) is
         placed there by the engine, paged blocks staying in host RAM."""
         refuse_quantized_without_adapters(model, "TrainStreamCallback")
+        if self.config.optimizer_in_backward and args.max_grad_norm:
+            raise ValueError(f"optimizer_in_backward=True updates each weight during backward, before the Trainer "
+                             f"clips (max_grad_norm={args.max_grad_norm}): set max_grad_norm=0, or turn "
+                             "optimizer_in_backward off to clip")
         shape = self.config.batch_shape or (args.per_device_train_batch_size,
                                              getattr(getattr(model, "config", None), "max_position_embeddings",
                                                      2048) or 2048)
