@@ -138,8 +138,9 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
 # identity of the caller's tensor and everything that would change its contents or layout:
 #
 # * a weak reference to the tensor object (not its address: a freed tensor's memory is reused by the next
-#   allocation of the same size, so an address alone would hit on different data); a freed tensor never hits, and
-#   its entry is dropped when it dies, which releases the quantized copy;
+#   allocation of the same size, so an address alone would hit on different data); a freed tensor never hits (its
+#   entry is replaced at the next call, or dropped at the first backward: no weakref callback, which would run Python
+#   code wherever the tensor is freed and could swallow a Ctrl-C);
 # * ``_version``, which every in-place write through the tensor or any view or ``detach()`` of it bumps (autograd's
 #   own check for saved tensors), and ``data_ptr``, shape, stride, dtype and device (``x.data = y`` swaps the
 #   storage without a version bump);
@@ -150,8 +151,8 @@ def quantize_rows_e4m3(x: torch.Tensor, col_scale: torch.Tensor | None = None) -
 # outputs. To narrow that window, the Python backward of a QuantLinear (the outlier route) ends the reuse. Nothing is
 # kept or reused while a CUDA graph is being captured (an entry made outside the graph would be read by it but owned
 # by this cache). Inference-mode tensors (no version counter), tensor subclasses and ``torch.compile`` tracing are
-# quantized afresh every time. The cost: one quantized activation (T x K bytes + T floats) stays alive until its
-# tensor dies or another one replaces it.
+# quantized afresh every time. The cost: one quantized activation (T x K bytes + T floats) stays alive until another
+# one replaces it or a backward (or forget_activation) drops it.
 #
 # The reused result is the same bits as a fresh one (the quantizer is deterministic), so reuse changes no numerics.
 #
@@ -171,14 +172,6 @@ def _stream_id(device: torch.device) -> int:
     if _RAW_STREAM is not None:
         return _RAW_STREAM(device.index)
     return torch.cuda.current_stream(device).cuda_stream
-
-
-def _forget(ref: weakref.ref) -> None:
-    """Weakref callback: the source tensor died; release its quantization."""
-    global _LAST
-    last = _LAST
-    if last is not None and last[0] is ref:
-        _LAST = None
 
 
 def forget_activation() -> None:
@@ -221,7 +214,9 @@ def quantize_activation(x: torch.Tensor, src: torch.Tensor | None = None) -> tup
     if last is not None and last[0]() is src and last[1] == key:
         return last[2]
     out = quantize_rows_e4m3(x)
-    _LAST = (weakref.ref(src, _forget), key, out)
+    # No weakref callback to drop it when src dies: Python code run wherever a tensor is freed can swallow a Ctrl-C.
+    # It goes at the next call, the first backward through a layer, or forget_activation().
+    _LAST = (weakref.ref(src), key, out)
     return out
 
 
