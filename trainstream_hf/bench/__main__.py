@@ -3,7 +3,8 @@
 Suites: micro (foundation micro-benchmarks); peers (PEFT, bitsandbytes, torch, DeepSpeed training steps);
 engine (the peers plus trainstream.wrap under the same VRAM budget, in one run); quant (QuantLinear per format
 beside bf16 nn.Linear and bitsandbytes NF4 on one block's linear layers, and dequantize bandwidth); sqnr
-(quantization SQNR of a real pretrained model's linear layers, on the CPU).
+(quantization SQNR of a real pretrained model's linear layers, on the CPU); table (one LoRA step of an 8B-class
+model, every trainstream format and peer in a process of its own under one VRAM cap: the README's table).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from trainstream_hf.bench import common
 
-SUITES = ("micro", "peers", "engine", "quant", "sqnr")
+SUITES = ("micro", "peers", "engine", "quant", "sqnr", "table")
 
 
 def main(argv=None) -> None:
@@ -35,11 +36,14 @@ def main(argv=None) -> None:
     peers.add_argument("--warmup", type=int, default=None, help="untimed steps per peer (default 3; 1 if --quick)")
     peers.add_argument("--repeats", type=int, default=None, help="timed steps per peer (default 10; 3 if --quick)")
     peers.add_argument("--vram-budget-gib", type=float, default=24.0,
-                       help="allocator cap for the DeepSpeed offload rows (0: none)")
+                       help="allocator cap for the DeepSpeed offload rows, and for every row of table (0: none)")
     peers.add_argument("--peers", default=None, help="comma-separated subset of: bandwidth,peft,peft_ckpt,"
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); engine: those and ts_lora,ts_nf4,"
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
-                       "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant")
+                       "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: ts_nvfp4_outliers,ts_nvfp4,"
+                       "ts_nf4,ts_fp8,ts_auto,bnb,bnb_ckpt,peft,peft_ckpt")
+    peers.add_argument("--row-timeout", type=float, default=1800.0,
+                       help="table: seconds a row's process may run before it is stopped and reported as such")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() before each row's timed steps (every row alike); rows always report their "
                              "Python GC collections and pause time (python_gc)")
@@ -78,6 +82,14 @@ def main(argv=None) -> None:
     elif args.suite == "sqnr":
         from trainstream_hf.bench import sqnr
         payload, md = sqnr.run()
+    elif args.suite == "table":
+        from trainstream_hf.bench import table
+        quick_or_tiny = args.quick or args.shape == "tiny"
+        payload, md = table.run(
+            shape=args.shape or ("tiny" if args.quick else "llama3-8b"), batch=args.batch,
+            seq=args.seq or (64 if quick_or_tiny else 2048), warmup=args.warmup or (1 if args.quick else 3),
+            repeats=args.repeats or (3 if args.quick else 10), vram_budget_gib=args.vram_budget_gib,
+            rows=args.peers.split(",") if args.peers else None, row_timeout=args.row_timeout, on_row=on_row)
     path = common.write_json(name, payload, args.out)
     print(md)
     print(f"\nJSON: {path}")

@@ -56,7 +56,8 @@ def _lora_model(shape: str, build_device, seed: int):
     return get_peft_model(build_model(shape, torch.bfloat16, build_device, seed), LoraConfig(**LORA))
 
 
-def _built_in_place(shape: str, device: torch.device, seed: int, *, home, quantize: Optional[str] = None):
+def _built_in_place(shape: str, device: torch.device, seed: int, *, home, quantize: Optional[str] = None,
+                    outliers: float = 0.0):
     """A random-weight bf16 model of ``shape`` built the way the recipes build one: piece by piece, each decoder
     block initialised on ``device`` (transformers' ``_init_weights``), packed when ``quantize`` is set, then moved
     to ``home`` (see :func:`trainstream_hf.train.model.materialize`). On a GPU, far faster than initialising a 32B
@@ -64,7 +65,8 @@ def _built_in_place(shape: str, device: torch.device, seed: int, *, home, quanti
     from trainstream_hf.train.model import materialize, skeleton
 
     torch.manual_seed(seed)
-    model = materialize(skeleton(model_config(shape), torch.bfloat16), device=device, home=home, quantize=quantize)
+    model = materialize(skeleton(model_config(shape), torch.bfloat16), device=device, home=home, quantize=quantize,
+                        outliers=outliers)
     return model.train()
 
 
@@ -85,21 +87,24 @@ def trainstream_lora(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 *
 
 
 def trainstream_quant(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 * 2**30, *, quantize: str = "nf4",
-                      batch: int = 1, seq: int = 2048, warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
-                      **options) -> dict:
-    """A quantized base (``quantize``, packed as it is built; ``lm_head`` stays bf16) + LoRA r16 on all linear
-    layers (the recipes' adapter: :func:`trainstream_hf.train.model.add_lora`), wrapped with ``vram_budget``; the
-    loop is the peers'. The row to set beside bitsandbytes' QLoRA (``bnb``, ``bnb_ckpt``) in one run."""
+                      outliers: float = 0.0, batch: int = 1, seq: int = 2048, warmup: int = 3, repeats: int = 10,
+                      device=None, seed: int = 0, **options) -> dict:
+    """A quantized base (``quantize``, packed as it is built with ``outliers`` of the input channels kept in bf16;
+    ``lm_head`` stays bf16) + LoRA r16 on all linear layers (the recipes' adapter:
+    :func:`trainstream_hf.train.model.add_lora`), wrapped with ``vram_budget``; the loop is the peers'. The row to
+    set beside bitsandbytes' QLoRA (``bnb``, ``bnb_ckpt``) in one run."""
     from trainstream_hf.train.model import add_lora
 
     device, fields = _common(f"trainstream_{quantize}", shape, False, batch, seq, device)
-    name = f"trainstream {quantize} + LoRA r16, budget {vram_budget / 2**30:.0f} GiB" if vram_budget \
-        else f"trainstream {quantize} + LoRA r16"
+    fmt = f"{quantize}, {outliers:.0%} outliers" if outliers else quantize
+    name = f"trainstream {fmt} + LoRA r16, budget {vram_budget / 2**30:.0f} GiB" if vram_budget \
+        else f"trainstream {fmt} + LoRA r16"
     name += options.pop("name_suffix", "")
 
     def build():
-        model = add_lora(_built_in_place(shape, device, seed, home=device, quantize=quantize), r=LORA["r"],
-                         alpha=LORA["lora_alpha"], dropout=LORA["lora_dropout"], target_modules=LORA["target_modules"])
+        base = _built_in_place(shape, device, seed, home=device, quantize=quantize, outliers=outliers)
+        model = add_lora(base, r=LORA["r"], alpha=LORA["lora_alpha"], dropout=LORA["lora_dropout"],
+                         target_modules=LORA["target_modules"])
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                                         fused=device.type == "cuda")
 

@@ -47,9 +47,10 @@ def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str | t
                 seed: int = 0) -> PreTrainedModel:
     """Builds a random-weight causal LM of ``shape`` directly on ``device``, in training mode.
 
-    Parameters are allocated and initialised on ``device`` in ``dtype`` (``from_config`` sets the default
-    dtype while it builds; the ``torch.device`` context places every tensor), so an 8B model never passes
-    through host memory or through fp32.
+    Parameters are allocated and initialised on ``device`` in ``dtype``, one block at a time, the way the recipes
+    and the benchmark's trainstream rows build theirs (:func:`trainstream_hf.train.model.materialize`), so every
+    row of a benchmark starts from the same weights for one seed, and an 8B model never passes through host memory
+    or through fp32.
 
     Args:
         shape: a key of :data:`SHAPES`.
@@ -62,8 +63,13 @@ def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str | t
     """
     config = model_config(shape)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    if torch.device(device).type == "meta":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        return model.train()
+    from trainstream_hf.train.model import materialize, skeleton
+
+    model = materialize(skeleton(config, dtype), device=device, home=device)
     return model.train()
 
 

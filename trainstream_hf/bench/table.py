@@ -1,0 +1,155 @@
+"""The benchmark table: one LoRA step of an 8B-class model under one VRAM cap, every row in a process of its own.
+
+``python -m trainstream_hf.bench table [--shape llama3-8b] [--peers ts_nf4,bnb_ckpt,...] [--vram-budget-gib 24]``
+
+Every row trains the same seeded random weights on the same batch (``batch`` x ``seq`` tokens, bf16 compute, LoRA
+r16 on every linear layer but the LM head, AdamW on the adapters) under the same allocator cap, timed by
+:func:`trainstream_hf.bench.harness.measure_training` (median of ``repeats`` steps after ``warmup``). Each row runs
+in a child process (``python -m trainstream_hf.bench.table --child ROW ...``), so a row's allocator state, a crash
+or a hang cannot touch another's: a child that dies or outlives ``row_timeout`` is a row with that status, an
+out-of-memory under the cap is a row with the peak it reached, a peer that is not installed is a row saying so.
+
+Columns: median step, tokens/s, peak allocated and reserved VRAM, the step time over the fastest row's, the last
+loss (every step's loss is in the JSON, so a fast row that trains something else shows), and for trainstream rows
+the plan's first line and the PCIe GB/s of the last step. The JSON (``results``: the rows; the environment:
+command, commit, GPU, versions, date) is what the README's table is made from (:func:`readme_table`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+from trainstream_hf.bench.common import markdown_table
+
+GiB = 2**30
+
+# row -> (label, module of trainstream_hf.bench, function, its options). The functions take shape, batch, seq,
+# warmup, repeats, vram_budget and seed, and return one row (harness.measure_training / harness.not_run).
+ROWS: dict[str, tuple[str, str, str, dict]] = {
+    "ts_nvfp4_outliers": ("trainstream nvfp4, 1% outliers", "engine", "trainstream_quant",
+                          dict(quantize="nvfp4", outliers=0.01)),
+    "ts_nvfp4": ("trainstream nvfp4", "engine", "trainstream_quant", dict(quantize="nvfp4")),
+    "ts_nf4": ("trainstream nf4", "engine", "trainstream_quant", dict(quantize="nf4")),
+    "ts_fp8": ("trainstream fp8", "engine", "trainstream_quant", dict(quantize="fp8")),
+    "ts_auto": ("trainstream bf16 base, auto plan", "engine", "trainstream_lora", {}),
+    "bnb": ("bitsandbytes QLoRA nf4 + PEFT", "peers", "bnb_qlora", dict(grad_ckpt=False)),
+    "bnb_ckpt": ("bitsandbytes QLoRA nf4 + PEFT, checkpointing", "peers", "bnb_qlora", dict(grad_ckpt=True)),
+    "peft": ("PyTorch + PEFT, bf16", "peers", "peft_lora", dict(grad_ckpt=False)),
+    "peft_ckpt": ("PyTorch + PEFT, bf16, checkpointing", "peers", "peft_lora", dict(grad_ckpt=True)),
+}
+COLUMNS = ("row", "status", "step_s", "tokens_per_s", "alloc_GiB", "reserved_GiB", "vs_fastest", "last_loss",
+           "pcie_GBps", "plan")
+
+
+def run_row(row: str, *, shape: str, batch: int, seq: int, warmup: int, repeats: int,
+            vram_budget: Optional[int], seed: int = 0) -> dict:
+    """Runs one row in this process; returns its result (what the child writes)."""
+    import importlib
+
+    label, module, function, options = ROWS[row]
+    fn: Callable[..., dict] = getattr(importlib.import_module(f"trainstream_hf.bench.{module}"), function)
+    result = fn(shape, batch=batch, seq=seq, warmup=warmup, repeats=repeats, vram_budget=vram_budget, seed=seed,
+                **options)
+    return {**result, "row": row, "label": label}
+
+
+def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
+    """``row`` in a child process; a crash or a timeout is the row's status."""
+    label = ROWS[row][0]
+    with tempfile.TemporaryDirectory(prefix="trainstream-table-") as tmp:
+        out = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, "-m", "trainstream_hf.bench.table", "--child", row, "--json", out,
+               "--child-args", json.dumps(args)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"row": row, "label": label, "status": f"timeout after {timeout:.0f} s"}
+        if proc.returncode != 0 or not os.path.exists(out):
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+            return {"row": row, "label": label, "status": f"crashed (exit {proc.returncode}): {last}",
+                    "wall_s": time.perf_counter() - t0}
+        with open(out) as f:
+            result = json.load(f)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """The table's columns for each row; ``vs_fastest`` is the step time over the fastest ``ok`` row's."""
+    times = [r["step_s"] for r in rows if r.get("status") == "ok" and r.get("step_s")]
+    fastest = min(times, default=None)
+    table = []
+    for r in rows:
+        stats = r.get("engine_stats") or {}
+        pcie = (stats.get("h2d_GBps") or 0) + (stats.get("d2h_GBps") or 0) if stats else None
+        losses = r.get("losses") or []
+        ok = r.get("status") == "ok" and r.get("step_s")
+        table.append({
+            "row": r.get("label", r.get("row")), "status": r.get("status"),
+            "step_s": r.get("step_s"), "tokens_per_s": r.get("tokens_per_s"),
+            "alloc_GiB": None if r.get("max_allocated") is None else r["max_allocated"] / GiB,
+            "reserved_GiB": None if r.get("max_reserved") is None else r["max_reserved"] / GiB,
+            "vs_fastest": r["step_s"] / fastest if ok and fastest else None,
+            "last_loss": losses[-1] if losses else None, "pcie_GBps": pcie, "plan": r.get("plan")})
+    return table
+
+
+def run(*, shape: str = "llama3-8b", rows: Optional[list[str]] = None, batch: int = 1, seq: int = 2048,
+        warmup: int = 3, repeats: int = 10, vram_budget_gib: float = 24.0, seed: int = 0,
+        row_timeout: Optional[float] = 1800.0, on_row: Optional[Callable[[dict], None]] = None) -> tuple[dict, str]:
+    """Runs ``rows`` (default all of :data:`ROWS`), each in its own process; returns (payload, markdown).
+
+    Raises:
+        ValueError: an unknown row name (the message lists the known ones).
+    """
+    rows = list(ROWS) if rows is None else rows
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"bench table: unknown row(s) {unknown}; choose from {', '.join(ROWS)}")
+    budget = int(vram_budget_gib * GiB) if vram_budget_gib else None
+    args = dict(shape=shape, batch=batch, seq=seq, warmup=warmup, repeats=repeats, vram_budget=budget, seed=seed)
+    payload = {"suite": "table", **args, "results": []}
+    for row in rows:
+        payload["results"].append(_child(row, args, row_timeout))
+        payload["table"] = summarize(payload["results"])
+        if on_row is not None:
+            on_row(payload)
+    payload["table"] = summarize(payload["results"])
+    title = (f"LoRA r16 step, {shape}, batch {batch} x {seq} tokens, "
+             f"{'VRAM cap ' + format(vram_budget_gib, 'g') + ' GiB' if budget else 'no VRAM cap'}")
+    return payload, f"{title}\n\n{markdown_table(payload['table'], COLUMNS)}"
+
+
+def readme_table(path: str) -> str:
+    """The README's markdown for the table JSON at ``path``: its rows, and a line naming the GPU, commit, date and
+    command they come from."""
+    with open(path) as f:
+        payload = json.load(f)
+    env = payload.get("environment", {})
+    gpu = (env.get("gpu") or {}).get("name", "CPU")
+    cols = ("row", "status", "step_s", "tokens_per_s", "reserved_GiB", "vs_fastest", "last_loss")
+    source = (f"{gpu}, commit {env.get('commit', '?')}, {env.get('date', '?')}: `{env.get('command', '?')}` "
+              f"(`{os.path.relpath(path)}`)")
+    return f"{markdown_table(payload['table'], cols)}\n\n{source}"
+
+
+def _main_child(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainstream_hf.bench.table")
+    parser.add_argument("--child", required=True, choices=sorted(ROWS))
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--child-args", required=True)
+    a = parser.parse_args(argv)
+    result = run_row(a.child, **json.loads(a.child_args))
+    with open(a.json, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    _main_child()
