@@ -1,5 +1,8 @@
 """bench table: every row in a process of its own, the same weights and batch, one table and JSON (CPU, tiny)."""
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +42,18 @@ def test_a_row_that_hangs_is_a_row_with_that_status():
 def test_unknown_rows_are_named():
     with pytest.raises(ValueError, match=r"unknown row\(s\) \['nope'\]; choose from ts_nvfp4_outliers"):
         table.run(rows=["nope"])
+
+
+def test_the_readme_table_is_the_committed_json_rendered():
+    """The README's results table is generated from a committed JSON, never typed: re-rendering it changes nothing."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text()
+    section = text.split(table.BEGIN)[1].split(table.END)[0].strip()
+    path = re.search(r"\(`(benchmarks/results/table-[^`]+\.json)`\)", section).group(1)
+    assert (root / path).is_file()
+    cwd = os.getcwd()
+    os.chdir(root)  # the source line names the JSON relative to the repository
+    try:
+        assert section == table.readme_table(path)
+    finally:
+        os.chdir(cwd)
