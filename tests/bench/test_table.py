@@ -57,3 +57,22 @@ def test_the_readme_table_is_the_committed_json_rendered():
         assert section == table.readme_table(path)
     finally:
         os.chdir(cwd)
+
+
+@pytest.mark.parametrize("fit_up_to", [5000, 8192, 70000, 300000, 100])
+def test_longest_fitting_doubles_then_bisects(fit_up_to):
+    best, probes = table.longest_fitting(lambda n: n <= fit_up_to, 1024, 262144, granularity=1024)
+    if fit_up_to < 1024:
+        assert best is None and probes == [(1024, False)]
+        return
+    want = min(fit_up_to, 262144) // 1024 * 1024
+    assert best == want and all(ok == (n <= fit_up_to) for n, ok in probes)
+    assert len(probes) <= 2 * 10  # doublings plus bisection steps, not a scan
+
+
+def test_longest_runs_each_probe_in_a_child():
+    payload, md = table.run_longest(shape="tiny", rows=["peft"], start=16, limit=64, granularity=16,
+                                    vram_budget_gib=0)
+    r = payload["results"][0]
+    assert r["status"] == "ok" and r["longest_seq"] == 64 and [n for n, _ in r["probes"]] == [16, 32, 64]
+    assert r["tokens_per_s"] > 0 and "| PyTorch + PEFT, bf16 | ok | 64 |" in md

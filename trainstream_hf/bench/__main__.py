@@ -42,6 +42,10 @@ def main(argv=None) -> None:
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
                        "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: ts_nvfp4_outliers,ts_nvfp4,"
                        "ts_nf4,ts_fp8,ts_auto,bnb,bnb_ckpt,peft,peft_ckpt")
+    peers.add_argument("--longest", action="store_true",
+                       help="table: instead of the step table, the longest sequence each row trains at under the cap "
+                            "(doubling from --seq, default 8192, then bisecting to 4096 tokens; shape default "
+                            "llama3.1-8b)")
     peers.add_argument("--row-timeout", type=float, default=1800.0,
                        help="table: seconds a row's process may run before it is stopped and reported as such")
     parser.add_argument("--gc-freeze", action="store_true",
@@ -54,7 +58,7 @@ def main(argv=None) -> None:
         harness.GC_FREEZE = True
     where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
         if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
-    suite = "sqnr-minilm" if args.suite == "sqnr" else args.suite
+    suite = "sqnr-minilm" if args.suite == "sqnr" else "table-longest" if args.longest else args.suite
     name = args.name or f"{suite}-{where}{'-quick' if args.quick else ''}"
 
     def on_row(partial: dict) -> None:  # each measured row reaches the JSON at once (a timed-out run keeps it)
@@ -82,6 +86,14 @@ def main(argv=None) -> None:
     elif args.suite == "sqnr":
         from trainstream_hf.bench import sqnr
         payload, md = sqnr.run()
+    elif args.suite == "table" and args.longest:
+        from trainstream_hf.bench import table
+        tiny = args.quick or args.shape == "tiny"
+        payload, md = table.run_longest(
+            shape=args.shape or ("tiny" if args.quick else "llama3.1-8b"), batch=args.batch,
+            start=args.seq or (16 if tiny else 8192), limit=256 if tiny else 262144, granularity=16 if tiny else 4096,
+            vram_budget_gib=args.vram_budget_gib, rows=args.peers.split(",") if args.peers else None,
+            row_timeout=args.row_timeout, on_row=on_row)
     elif args.suite == "table":
         from trainstream_hf.bench import table
         quick_or_tiny = args.quick or args.shape == "tiny"

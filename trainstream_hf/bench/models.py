@@ -13,6 +13,20 @@ SHAPES: dict[str, dict] = {
     "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
                       max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # meta-llama/Llama-3.1-8B: Llama-3-8B's layers with a 128k context (its llama3 RoPE scaling is left out: it
+    # changes no shape or cost); the shape of the longest-sequence search
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # mistralai/Mistral-7B-v0.3 (no sliding window)
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, rope_theta=1000000.0,
+                       max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                       tie_word_embeddings=False),
+    # Qwen/Qwen2.5-7B (q/k/v carry biases in Qwen2)
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False),
     # meta-llama/Llama-3.2-3B (its llama3 RoPE scaling is left out: it changes no shape or cost)
     "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,

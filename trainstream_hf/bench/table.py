@@ -127,6 +127,84 @@ def run(*, shape: str = "llama3-8b", rows: Optional[list[str]] = None, batch: in
     return payload, f"{title}\n\n{markdown_table(payload['table'], COLUMNS)}"
 
 
+def longest_fitting(fits: Callable[[int], bool], start: int, limit: int, granularity: int = 1024
+                    ) -> tuple[int | None, list[tuple[int, bool]]]:
+    """The longest sequence length in ``[start, limit]`` that ``fits``: doubling from ``start`` until a length does
+    not fit (or ``limit``), then bisecting between the last that fit and the first that did not, down to
+    ``granularity`` tokens (lengths stay multiples of it).
+
+    Returns:
+        (the longest length that fit, or None when ``start`` did not; every probe as ``(length, fitted)``).
+    """
+    probes: list[tuple[int, bool]] = []
+
+    def probe(n: int) -> bool:
+        ok = fits(n)
+        probes.append((n, ok))
+        return ok
+
+    if not probe(start):
+        return None, probes
+    good, n = start, start
+    while True:
+        if n >= limit:
+            return good, probes
+        n = min(2 * n, limit)
+        if not probe(n):
+            bad = n
+            break
+        good = n
+    while bad - good > granularity:
+        mid = (good + bad) // 2 // granularity * granularity
+        if mid <= good:
+            break
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, probes
+
+
+def run_longest(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None, batch: int = 1,
+                start: int = 8192, limit: int = 262144, granularity: int = 4096, vram_budget_gib: float = 24.0,
+                seed: int = 0, row_timeout: Optional[float] = 1800.0,
+                on_row: Optional[Callable[[dict], None]] = None) -> tuple[dict, str]:
+    """For each row, the longest sequence (batch ``batch``) one training step runs at under the cap, each probe a
+    child process with one warm-up and one timed step (an out-of-memory, a crash or a timeout: does not fit); the
+    tokens/s of the longest is reported beside it."""
+    rows = list(ROWS) if rows is None else rows
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"bench table: unknown row(s) {unknown}; choose from {', '.join(ROWS)}")
+    budget = int(vram_budget_gib * GiB) if vram_budget_gib else None
+    payload = {"suite": "table-longest", "shape": shape, "batch": batch, "vram_budget": budget, "start": start,
+               "limit": limit, "granularity": granularity, "results": []}
+    for row in rows:
+        seen: dict[int, dict] = {}
+
+        def fits(n: int) -> bool:
+            seen[n] = _child(row, dict(shape=shape, batch=batch, seq=n, warmup=1, repeats=1, vram_budget=budget,
+                                       seed=seed), row_timeout)
+            return seen[n].get("status") == "ok"
+
+        best, probes = longest_fitting(fits, start, limit, granularity)
+        at = seen.get(best, {}) if best is not None else {}
+        first = next(iter(seen.values()))
+        status = "ok" if best is not None else first.get("status", "?")
+        payload["results"].append({"row": row, "label": ROWS[row][0], "status": status, "longest_seq": best,
+                                   "tokens_per_s": at.get("tokens_per_s"), "max_reserved": at.get("max_reserved"),
+                                   "probes": probes, "statuses": {n: r.get("status") for n, r in seen.items()}})
+        if on_row is not None:
+            on_row(payload)
+    shown = [{"row": r["label"], "status": r["status"], "longest_seq": r["longest_seq"],
+              "tokens_per_s": r["tokens_per_s"],
+              "reserved_GiB": None if r["max_reserved"] is None else r["max_reserved"] / GiB} for r in payload["results"]]
+    payload["table"] = shown
+    title = (f"Longest sequence per LoRA step, {shape}, batch {batch}, "
+             f"{'VRAM cap ' + format(vram_budget_gib, 'g') + ' GiB' if budget else 'no VRAM cap'}")
+    return payload, f"{title}\n\n{markdown_table(shown, ('row', 'status', 'longest_seq', 'tokens_per_s', 'reserved_GiB'))}"
+
+
 def readme_table(path: str) -> str:
     """The README's markdown for the table JSON at ``path``: its rows, and a line naming the GPU, commit, date and
     command they come from."""
