@@ -41,7 +41,7 @@ def main(argv=None) -> None:
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); engine: those and ts_lora,ts_nf4,"
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
                        "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: ts_nvfp4_outliers,ts_nvfp4,"
-                       "ts_nf4,ts_fp8,ts_auto,bnb,bnb_ckpt,peft,peft_ckpt")
+                       "ts_nf4,ts_fp8,ts_auto,bnb,bnb_ckpt,ds_lora,ds_lora_ckpt,peft,peft_ckpt")
     peers.add_argument("--longest", action="store_true",
                        help="table: instead of the step table, the longest sequence each row trains at under the cap "
                             "(doubling from --seq, default 8192, then bisecting to 4096 tokens; shape default "

@@ -284,8 +284,10 @@ def zero2_offload_config(batch: int, **overrides) -> dict:
 def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
                             vram_budget: Optional[int] = None, *, batch: int = 1, seq: int = 2048,
                             warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
-                            ds_overrides: Optional[dict] = None) -> dict:
-    """Full fine-tune with DeepSpeed ZeRO-2 + CPU optimizer offload (DeepSpeedCPUAdam), one process.
+                            ds_overrides: Optional[dict] = None, lora: bool = False) -> dict:
+    """Full fine-tune with DeepSpeed ZeRO-2 + CPU optimizer offload (DeepSpeedCPUAdam), one process; with ``lora``,
+    PEFT LoRA (the peers' r16 on every linear layer) over the frozen bf16 base instead, DeepSpeed holding the
+    adapters' optimizer state in host RAM (lr 1e-4, the other LoRA rows').
 
     The cpu_adam op JIT-compiles with ninja on first use (about a minute); it is built before the clock
     starts, and a failed build is reported as ``"not run: ..."``.
@@ -298,8 +300,10 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
     Returns:
         The result row; ``status`` is ``"not run: ..."`` without deepspeed, its op, or CUDA.
     """
-    device, fields = _common("deepspeed_zero2_offload", shape, grad_ckpt, batch, seq, device)
-    name = f"DeepSpeed ZeRO-2, offload_optimizer cpu, bf16{', grad ckpt' if grad_ckpt else ''}"
+    device, fields = _common("deepspeed_zero2_offload" + ("_lora" if lora else ""), shape, grad_ckpt, batch, seq,
+                             device)
+    name = (f"DeepSpeed ZeRO-2{' + PEFT LoRA r16' if lora else ''}, offload_optimizer cpu, bf16"
+            f"{', grad ckpt' if grad_ckpt else ''}")
     if importlib.util.find_spec("deepspeed") is None:
         return not_run(name, "deepspeed not installed", **fields)
     if device.type != "cuda":
@@ -324,13 +328,20 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
     except Exception as err:  # noqa: BLE001
         return not_run(name, f"1-rank process group failed: {type(err).__name__}: {err}", **fields)
     config = zero2_offload_config(batch, **(ds_overrides or {}))
+    if lora:
+        config["optimizer"]["params"]["lr"] = 1e-4
 
     def setup():
         model = build_model(shape, torch.bfloat16, device, seed)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(**LORA))
         if grad_ckpt:
-            _enable_checkpointing(model, frozen_base=False)
-        fields["params"] = sum(p.numel() for p in model.parameters())
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            _enable_checkpointing(model, frozen_base=lora)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        fields["params"] = sum(p.numel() for p in trainable)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
         fields["optimizer"] = type(engine.optimizer.optimizer).__name__ \
             if hasattr(engine.optimizer, "optimizer") else type(engine.optimizer).__name__
         inputs = _batch(shape, batch, seq, device, seed)

@@ -40,6 +40,10 @@ ROWS: dict[str, tuple[str, str, str, dict]] = {
     "ts_auto": ("trainstream bf16 base, auto plan", "engine", "trainstream_lora", {}),
     "bnb": ("bitsandbytes QLoRA nf4 + PEFT", "peers", "bnb_qlora", dict(grad_ckpt=False)),
     "bnb_ckpt": ("bitsandbytes QLoRA nf4 + PEFT, checkpointing", "peers", "bnb_qlora", dict(grad_ckpt=True)),
+    "ds_lora": ("DeepSpeed ZeRO-2 optimizer offload + PEFT, bf16", "peers", "deepspeed_zero2_offload",
+                dict(lora=True, grad_ckpt=False)),
+    "ds_lora_ckpt": ("DeepSpeed ZeRO-2 optimizer offload + PEFT, bf16, checkpointing", "peers",
+                     "deepspeed_zero2_offload", dict(lora=True, grad_ckpt=True)),
     "peft": ("PyTorch + PEFT, bf16", "peers", "peft_lora", dict(grad_ckpt=False)),
     "peft_ckpt": ("PyTorch + PEFT, bf16, checkpointing", "peers", "peft_lora", dict(grad_ckpt=True)),
 }
