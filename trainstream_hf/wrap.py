@@ -326,7 +326,8 @@ class _Setup:
 
 
 def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, options: dict):
-    """Checks the arguments and resolves the options; changes nothing. Returns (config, the data-parallel group)."""
+    """Checks the arguments and resolves the options (the gradient mode data parallel and optimizer_in_backward
+    need); changes nothing. Returns (config, the data-parallel group)."""
     data_parallel.check_not_ddp(model)
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
@@ -347,6 +348,10 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
     if config.outliers and config.quantize is None:
         raise ValueError(f"outliers={config.outliers} protects the input channels of quantized layers: "
                          "set quantize too")
+    if dp_group is not None and config.grads == "auto":
+        config = replace(config, grads="device")
+    if config.optimizer_in_backward and config.grads == "auto":
+        config = replace(config, grads="host")  # the updates start from the host-mode gradient hook
     return config, dp_group
 
 
@@ -685,10 +690,6 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     config, dp_group = _configure(model, optimizer, config, options)
     # peer: one host copy of a frozen paged base per host (engine/peer.py); a collective, on every rank of the group
     peers = Peers.find(dp_group, config.peer)
-    if dp_group is not None and config.grads == "auto":
-        config = replace(config, grads="device")
-    if config.optimizer_in_backward and config.grads == "auto":
-        config = replace(config, grads="host")  # the updates start from the host-mode gradient hook
     engine = Engine(model, config, optimizer)
     s = _Setup(model, config, optimizer is not None, dp_group, keep=[])
     with contextlib.ExitStack() as undo:
@@ -715,10 +716,6 @@ def plan(model: nn.Module, batch_shape: tuple[int, int] | None = None, config: T
     if batch_shape is not None:
         options = {**options, "batch_shape": tuple(batch_shape)}
     config, dp_group = _configure(model, None, config, options)
-    if dp_group is not None and config.grads == "auto":
-        config = replace(config, grads="device")
-    if config.optimizer_in_backward and config.grads == "auto":
-        config = replace(config, grads="host")
     s = _Setup(model, config, True, dp_group, keep=[])
     with contextlib.ExitStack() as undo:
         _prepare(s, undo)
