@@ -10,14 +10,34 @@ from trainstream_hf.wrap import engine_of, plan, unwrap, wrap  # noqa: E402
 from trainstream_hf.quant import QuantLinear, quantize_model  # noqa: E402
 
 
+# The Hugging Face side, imported when first asked for (transformers, Accelerate, TRL are heavy, and TRL optional), so
+# that `import trainstream_hf` stays light for plain-PyTorch users: name -> module.
+_LAZY = {
+    "PagedKVCache": "trainstream_hf.cache", "TrainStreamCache": "trainstream_hf.cache",
+    "TrainStreamQuantizationConfig": "trainstream_hf.integrations.huggingface",
+    "TrainStreamTrainer": "trainstream_hf.integrations.transformers",
+    "TrainStreamTrainingArguments": "trainstream_hf.integrations.transformers",
+    "TrainStreamCallback": "trainstream_hf.integrations.transformers",
+    "TrainStreamAccelerator": "trainstream_hf.integrations.accelerate",
+    "TrainStreamDPOTrainer": "trainstream_hf.integrations.trl",
+    "TrainStreamDPOConfig": "trainstream_hf.integrations.trl",
+    "TrainStreamGRPOTrainer": "trainstream_hf.integrations.trl",
+    "TrainStreamGRPOConfig": "trainstream_hf.integrations.trl",
+}
+
+
 def __getattr__(name: str):
-    # The KV cache subclasses transformers' Cache: import transformers only when it is asked for, so that
-    # `import trainstream_hf` stays light for plain-PyTorch users.
-    if name in ("PagedKVCache", "TrainStreamCache"):
-        from trainstream_hf import cache
-        return getattr(cache, name)
-    raise AttributeError(f"module 'trainstream_hf' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainstream_hf' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
 
 
 __all__ = ["wrap", "unwrap", "plan", "engine_of", "quantize_model", "QuantLinear", "TrainStreamConfig", "Plan",
-           "BudgetError", "PagedKVCache", "TrainStreamCache", "__version__"]
+           "BudgetError", *_LAZY, "__version__"]

@@ -403,6 +403,11 @@ class EngineTrainerMixin:
         if self._ts_callback is not None and engine_of(self.model) is None:
             self.optimizer = optimizer = self._ts_callback.install(self.args, self.model, optimizer)
             self._ts_engine = engine_of(self.model)
+            if self._ts_engine is not None and self.args.should_log:
+                plan = str(self._ts_engine.plan)
+                logger.warning("trainstream_hf: %s installed the engine in %s: %s", type(self).__name__,
+                               type(self.model).__name__, plan.splitlines()[0])
+                logger.info("trainstream_hf: the plan in full:\n%s", plan)
         return optimizer
 
     # -- a failed train() ---------------------------------------------------------------------------------

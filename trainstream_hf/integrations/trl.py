@@ -219,7 +219,9 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         bound = _GRPO_INIT.bind(self, *args, **kwargs).arguments
         grpo_args, model = bound.get("args"), bound["model"]
         beta = grpo_args.beta if grpo_args is not None else GRPOConfig.__dataclass_fields__["beta"].default
-        if beta != 0.0 and bound.get("peft_config") is None and not is_peft_model(model):
+        # (a model given by path, a str, is loaded by TRL without adapters)
+        if beta != 0.0 and bound.get("peft_config") is None and not (isinstance(model, nn.Module)
+                                                                       and is_peft_model(model)):
             raise ValueError(
                 f"TrainStreamGRPOTrainer: beta={beta} needs a reference policy, and for a model without adapters TRL "
                 f"1.16 would load a second full copy of it as ref_model; trainstream keeps one model in memory. Train "

@@ -1,0 +1,55 @@
+"""The user-facing classes at the top level, loaded only when asked for (issue: `from trainstream_hf import
+TrainStreamQuantizationConfig` was an AttributeError)."""
+import subprocess
+import sys
+
+import pytest
+
+import trainstream_hf
+
+NAMES = ["TrainStreamQuantizationConfig", "TrainStreamTrainer", "TrainStreamTrainingArguments", "TrainStreamCallback",
+         "TrainStreamAccelerator", "TrainStreamCache", "PagedKVCache", "TrainStreamDPOTrainer", "TrainStreamDPOConfig",
+         "TrainStreamGRPOTrainer", "TrainStreamGRPOConfig"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_importable_from_the_top_level(name):
+    cls = getattr(trainstream_hf, name)
+    assert cls.__name__ in (name, "PagedKVCache") and name in trainstream_hf.__all__ and name in dir(trainstream_hf)
+
+
+def test_import_stays_light_and_unknown_names_are_attribute_errors():
+    code = ("import sys, trainstream_hf; heavy = [m for m in ('transformers', 'accelerate', 'trl') if m in sys.modules]; "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        trainstream_hf.Nope
+
+
+def test_grpo_given_a_model_path_without_peft_is_refused_with_the_reason(tmp_path):
+    from trl import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), beta=0.04, report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="beta=0.04 needs a reference policy.*peft_config=LoraConfig"):
+        trainstream_hf.TrainStreamGRPOTrainer(model="some/model-path", reward_funcs=lambda **k: [0.0], args=args)
+
+
+def test_the_trainer_route_says_what_it_installed(tmp_path, caplog):
+    import logging
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (4, 16))]
+    args = trainstream_hf.TrainStreamTrainingArguments(
+        output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB", max_steps=1,
+        per_device_train_batch_size=2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    with caplog.at_level(logging.INFO, logger="trainstream_hf"):
+        trainstream_hf.TrainStreamTrainer(model=model, args=args, train_dataset=rows).train()
+    said = caplog.text
+    assert "TrainStreamTrainer installed the engine in LlamaForCausalLM: TrainStream plan: budget" in said
+    assert "| block |" in said  # the table, at info level
