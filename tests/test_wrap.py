@@ -470,3 +470,21 @@ def test_stats_count_python_gc_pauses_per_step():
     assert st["collections"][2] >= 1 and st["seconds"] > 0
     ts.unwrap(model)
     assert pauses._callback not in gc.callbacks
+
+
+def test_stats_count_the_last_step_alone():
+    """The pager's and offloader's counters in trainstream_stats() are the last step's, not the run's totals."""
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters()), vram_budget="64GiB", batch_shape=(2, 16),
+                         page_weights=True, offload_activations=True, min_offload_numel=0, min_activation_bytes=0,
+                         offload_optimizer=True, host_arena=None)
+    ids = torch.randint(0, 100, (2, 16))
+    per_step = []
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        s = model.trainstream_stats()
+        per_step.append((s["weights"]["loads_forward"], s["weights"]["h2d_bytes"], s["activations"]["offloaded"]))
+    assert per_step[0] == per_step[1] == per_step[2] and per_step[0][0] == len(model.trainstream_plan.paged_blocks)
+    ts.unwrap(model)

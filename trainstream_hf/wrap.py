@@ -105,6 +105,7 @@ class Engine:
         self._t0: float | None = None
         self._step_hook = None
         self._last: dict = {}
+        self._counted: dict[str, dict] = {}  # the parts' cumulative counters at the end of the last step
         self._gc: GcPauses | None = None
         self._undo = contextlib.ExitStack()
 
@@ -167,11 +168,16 @@ class Engine:
         for name, part in (("weights", self.pager), ("activations", self.offloader), ("optimizer", self.optimizer)):
             if part is not None and hasattr(part, "stats"):
                 s[name] = part.stats()
+                if hasattr(part, "counters"):  # cumulative in the part: this step's share
+                    now, before = part.counters(), self._counted.get(name, {})
+                    s[name].update({k: v - before.get(k, 0) for k, v in now.items()})
+                    self._counted[name] = now
         self._last = s
         self.steps += 1
 
     def stats(self) -> dict:
-        """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part).
+        """Figures of the last completed step (H2D / D2H bytes and GB/s, peak VRAM, arena use, per part: the pager's
+        and the offloader's counters count that step alone).
 
         A step is an optimizer step: from the first forward after the previous ``optimizer.step()`` (every
         micro-batch of a gradient accumulation included) until ``step()`` returns; wrapped without an

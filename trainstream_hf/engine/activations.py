@@ -142,6 +142,10 @@ class ActivationOffloader(BlockListener):
         self.closed = False
         hooks.add(self)
 
+    def counters(self) -> dict:
+        """The cumulative counters of :meth:`stats` alone (the engine reports their growth per step)."""
+        return dict(self._stats)
+
     def stats(self) -> dict:
         """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, tensors
         kept on the device for being small or not dense, and widened copies saved as their source (count and

@@ -287,6 +287,10 @@ class WeightPager(BlockListener):
             if j in self._slot_of:
                 self._evict(j)
 
+    def counters(self) -> dict:
+        """The cumulative counters of :meth:`stats` alone (the engine reports their growth per step)."""
+        return dict(self._stats)
+
     def stats(self) -> dict:
         """Cumulative counters: H2D bytes and copies, block loads in forward / backward, blocks found
         resident from the forward pass when their backward began (not copied again), saved tensors packed
