@@ -53,3 +53,27 @@ def test_the_trainer_route_says_what_it_installed(tmp_path, caplog):
     said = caplog.text
     assert "TrainStreamTrainer installed the engine in LlamaForCausalLM: TrainStream plan: budget" in said
     assert "| block |" in said  # the table, at info level
+
+
+@pytest.mark.parametrize("route", ["trainer", "callback"])
+def test_engine_figures_go_to_step_logs_not_to_train_metrics(tmp_path, route):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (4, 16))]
+    common = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                  save_strategy="no", disable_tqdm=True, logging_steps=1)
+    if route == "trainer":
+        trainer = trainstream_hf.TrainStreamTrainer(
+            model=model, train_dataset=rows, args=trainstream_hf.TrainStreamTrainingArguments(
+                trainstream="on", trainstream_vram_budget="64GiB", **common))
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=rows,
+                          callbacks=[trainstream_hf.TrainStreamCallback(vram_budget="64GiB")])
+    metrics = trainer.train().metrics
+    assert "train_runtime" in metrics and not any(k.startswith("trainstream/") for k in metrics)
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2 and all("trainstream/step_seconds" in h for h in steps)

@@ -61,6 +61,12 @@ def log_figures(stats: dict) -> dict[str, float]:
     return out
 
 
+def _is_step_log(logs: dict) -> bool:
+    """Whether a Trainer log is a training step's (it has the step's ``loss``), the one the engine's last-step
+    figures belong to: not an evaluation's, and not the summary that ``train()`` also returns as its metrics."""
+    return "loss" in logs and "train_runtime" not in logs
+
+
 def refuse_quantized_without_adapters(model: nn.Module, who: str) -> None:
     """A model whose linear layers are packed (:class:`~trainstream_hf.quant.QuantLinear`: frozen, no weight
     gradient) but that carries no PEFT adapters would train only its embeddings and norms: almost certainly not what
@@ -155,7 +161,7 @@ class TrainStreamCallback(TrainerCallback):
         # Callbacks after this one see the figures; TrainStreamTrainer.log adds them before any does. Trainer.log
         # (transformers 5.24) appends a copy of ``logs`` to state.log_history just before this event: the figures
         # go into that record too.
-        if logs is not None and self.last:
+        if logs is not None and self.last and _is_step_log(logs):
             figures = log_figures(self.last)
             for k, v in figures.items():
                 logs.setdefault(k, v)
@@ -521,6 +527,6 @@ class TrainStreamTrainer(EngineTrainerMixin, Trainer):
         self._ts_attach(cfg, trainstream_unwrap_at_end)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self._ts_callback is not None and self._ts_callback.last:
-            logs.update(log_figures(self._ts_callback.last))
+        if self._ts_callback is not None and self._ts_callback.last and _is_step_log(logs):
+            logs = {**logs, **log_figures(self._ts_callback.last)}  # a copy: the caller's dict stays its own
         super().log(logs, *args, **kwargs)
