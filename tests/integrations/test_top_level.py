@@ -77,3 +77,30 @@ def test_engine_figures_go_to_step_logs_not_to_train_metrics(tmp_path, route):
     assert "train_runtime" in metrics and not any(k.startswith("trainstream/") for k in metrics)
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 2 and all("trainstream/step_seconds" in h for h in steps)
+
+
+def test_reporting_callbacks_before_ours_see_the_figures(tmp_path):
+    """report_to's callbacks (TensorBoard, W&B) are added before the user's: TrainStreamCallback puts itself first, so
+    a callback listed before it still receives trainstream/* in each step's log."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (4, 16))]
+    recorder = Recorder()
+    trainer = Trainer(model=model, train_dataset=rows, args=TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, logging_steps=1),
+        callbacks=[recorder, trainstream_hf.TrainStreamCallback(vram_budget="64GiB")])
+    trainer.train()
+    steps = [log for log in recorder.logs if "loss" in log]
+    assert len(steps) == 2 and all("trainstream/h2d_GBps" in log for log in steps)

@@ -61,6 +61,27 @@ def log_figures(stats: dict) -> dict[str, float]:
     return out
 
 
+def _go_first(callback: TrainerCallback) -> None:
+    """Puts ``callback`` first in the Trainer's callback list, so that the reporting callbacks (TensorBoard, W&B, ...:
+    the Trainer adds them before the user's) see the figures it adds to each log. TrainerCallback events carry no
+    handle to the Trainer; the CallbackHandler calling this event is found on the stack. The list is replaced, not
+    reordered in place, so the event under way goes on over the old one unchanged."""
+    import sys
+
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler):
+            if handler.callbacks and handler.callbacks[0] is not callback and callback in handler.callbacks:
+                handler.callbacks = [callback] + [c for c in handler.callbacks if c is not callback]
+            return
+
+
 def _is_step_log(logs: dict) -> bool:
     """Whether a Trainer log is a training step's (it has the step's ``loss``), the one the engine's last-step
     figures belong to: not an evaluation's, and not the summary that ``train()`` also returns as its metrics."""
@@ -112,6 +133,7 @@ class TrainStreamCallback(TrainerCallback):
         self.quantized: list[str] = []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        _go_first(self)
         if model is None or engine_of(model) is not None:
             if model is not None and self.model is None:
                 self.model = model  # installed earlier (EngineTrainerMixin.create_optimizer): just report
