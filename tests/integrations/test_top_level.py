@@ -76,7 +76,8 @@ def test_engine_figures_go_to_step_logs_not_to_train_metrics(tmp_path, route):
     metrics = trainer.train().metrics
     assert "train_runtime" in metrics and not any(k.startswith("trainstream/") for k in metrics)
     steps = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(steps) == 2 and all("trainstream/step_seconds" in h for h in steps)
+    assert len(steps) == 2 and all("trainstream/step_seconds" in h and "trainstream/python_gc_seconds" in h
+                                   for h in steps)
 
 
 def test_reporting_callbacks_before_ours_see_the_figures(tmp_path):

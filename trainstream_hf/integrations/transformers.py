@@ -58,6 +58,10 @@ def log_figures(stats: dict) -> dict[str, float]:
     opt = stats.get("optimizer") or {}
     if isinstance(opt.get("adam_seconds"), float):
         out["trainstream/cpu_adamw_seconds"] = opt["adam_seconds"]
+    gc_pauses = stats.get("python_gc") or {}  # Python's cyclic GC stops the thread that launches the GPU work
+    if isinstance(gc_pauses.get("seconds"), float):
+        out["trainstream/python_gc_seconds"] = gc_pauses["seconds"]
+        out["trainstream/python_gc_collections"] = float(sum(gc_pauses.get("collections") or ()))
     return out
 
 
