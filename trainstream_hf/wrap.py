@@ -621,7 +621,7 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         engine.optimizer = new_opt
     if pager is not None:
         pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
-    elif isinstance(engine.optimizer, OffloadedAdamW):
+    if isinstance(engine.optimizer, OffloadedAdamW):
         _track_masters(model, engine.optimizer, undo)
     engine.plan = pl
     engine.casts, engine.norms, engine.loss_owner = s.casts, s.norms, s.loss_owner
@@ -637,8 +637,9 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
 def _track_masters(model: nn.Module, opt: OffloadedAdamW, undo: contextlib.ExitStack) -> None:
     """``state_dict()`` after the optimizer's step is in (an overlapped one included), and ``load_state_dict()``
     into the parameters that the optimizer keeps fp32 masters of makes it read them again: otherwise its next step
-    would write the old weights back over the loaded ones (the Trainer's ``load_best_model_at_end``). With paged
-    weights the pager does both (``WeightPager.track_state_dict``)."""
+    would write the old weights back over the loaded ones (the Trainer's ``load_best_model_at_end``). Paged weights
+    are read and written in their host copies by the pager's own hooks on their blocks
+    (``WeightPager.track_state_dict``), which run inside these."""
     ref = weakref.ref(opt)  # the model's hook dicts must not keep the optimizer alive
     named = list(model.named_parameters())
     loading: list = []

@@ -85,6 +85,15 @@ def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
     return result
 
 
+def _rows_and_budget(rows: Optional[list[str]], vram_budget_gib: float) -> tuple[list[str], Optional[int]]:
+    """The rows to run (default all, unknown names refused) and the cap in bytes (None: no cap)."""
+    rows = list(ROWS) if rows is None else rows
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"bench table: unknown row(s) {unknown}; choose from {', '.join(ROWS)}")
+    return rows, int(vram_budget_gib * GiB) if vram_budget_gib else None
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """The table's columns for each row; ``vs_fastest`` is the step time over the fastest ``ok`` row's."""
     times = [r["step_s"] for r in rows if r.get("status") == "ok" and r.get("step_s")]
@@ -113,11 +122,7 @@ def run(*, shape: str = "llama3-8b", rows: Optional[list[str]] = None, batch: in
     Raises:
         ValueError: an unknown row name (the message lists the known ones).
     """
-    rows = list(ROWS) if rows is None else rows
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise ValueError(f"bench table: unknown row(s) {unknown}; choose from {', '.join(ROWS)}")
-    budget = int(vram_budget_gib * GiB) if vram_budget_gib else None
+    rows, budget = _rows_and_budget(rows, vram_budget_gib)
     args = dict(shape=shape, batch=batch, seq=seq, warmup=warmup, repeats=repeats, vram_budget=budget, seed=seed)
     payload = {"suite": "table", **args, "results": []}
     for row in rows:
@@ -176,11 +181,7 @@ def run_longest(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None,
     """For each row, the longest sequence (batch ``batch``) one training step runs at under the cap, each probe a
     child process with one warm-up and one timed step (an out-of-memory, a crash or a timeout: does not fit); the
     tokens/s of the longest is reported beside it."""
-    rows = list(ROWS) if rows is None else rows
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise ValueError(f"bench table: unknown row(s) {unknown}; choose from {', '.join(ROWS)}")
-    budget = int(vram_budget_gib * GiB) if vram_budget_gib else None
+    rows, budget = _rows_and_budget(rows, vram_budget_gib)
     payload = {"suite": "table-longest", "shape": shape, "batch": batch, "vram_budget": budget, "start": start,
                "limit": limit, "granularity": granularity, "results": []}
     for row in rows:

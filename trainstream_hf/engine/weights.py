@@ -338,12 +338,11 @@ class WeightPager(BlockListener):
           ``keep_vars=True`` keeps the parameters themselves.
         * ``load_state_dict()`` writes the values given for paged parameters into their host copies (a shape that
           does not fit is reported as torch reports any size mismatch: the parameter's name and both shapes), drops
-          the device copies of their blocks, and has ``optimizer`` read their fp32 masters again; a load into
-          ``root`` has it read those of the other parameters it loaded too (torch copies them into ``data``), or
-          its next step would put the old weights back.
+          the device copies of their blocks, and has ``optimizer`` read their fp32 masters again. (The root's own
+          hooks, which do the same for every offloaded parameter a load into the model reaches, are ``wrap``'s.)
 
         Args:
-            root: the wrapped model.
+            root: the wrapped model, whose blocks hold the paged parameters.
             optimizer: the engine's :class:`~trainstream_hf.engine.optimizer.OffloadedAdamW` holding masters of
                 paged parameters, or None.
 
@@ -353,11 +352,6 @@ class WeightPager(BlockListener):
             h.remove()
         self._module_hooks = []
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
-        paged = {id(p) for p in self.paged_parameters()}
-        unpaged = [(n, p) for n, p in root.named_parameters() if id(p) not in paged]
-        self._module_hooks += [root.register_state_dict_pre_hook(_weakly(self._before_state_dict)),
-                               root.register_load_state_dict_pre_hook(_weakly(self._root_load_pre, unpaged)),
-                               root.register_load_state_dict_post_hook(_weakly(self._root_load_post))]
         for j in self._order:
             module = self.hooks.layers[j]
             names = {id(p): n for n, p in module.named_parameters()}
@@ -372,9 +366,6 @@ class WeightPager(BlockListener):
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is not None:
             opt.synchronize()
-
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._sync_optimizer()  # (the root's: also the offloaded parameters that are not paged)
 
     def _state_dict_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self._sync_optimizer()
@@ -413,16 +404,6 @@ class WeightPager(BlockListener):
                 host.copy_(value)
             loaded.append(b.params[k])
         self._loading[id(module)] = (taken, loaded)
-
-    def _root_load_pre(self, unpaged, module: nn.Module, state_dict, prefix, *args) -> None:
-        self._sync_optimizer()
-        self._loading[id(module)] = ([], [p for n, p in unpaged if prefix + n in state_dict])
-
-    def _root_load_post(self, module: nn.Module, incompatible_keys) -> None:
-        _, loaded = self._loading.pop(id(module), ((), ()))
-        opt = self._optimizer() if self._optimizer is not None else None
-        if loaded and opt is not None:
-            opt.reload_masters(loaded)
 
     def _load_post(self, j: int, module: nn.Module, incompatible_keys) -> None:
         taken, loaded = self._loading.pop(id(module), ((), ()))
