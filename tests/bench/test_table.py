@@ -76,3 +76,53 @@ def test_longest_runs_each_probe_in_a_child():
     r = payload["results"][0]
     assert r["status"] == "ok" and r["longest_seq"] == 64 and [n for n, _ in r["probes"]] == [16, 32, 64]
     assert r["tokens_per_s"] > 0 and "| PyTorch + PEFT, bf16 | ok | 64 |" in md
+
+
+def test_an_uncapped_reference_row_is_never_the_fastest():
+    rows = [{"row": "peft_uncapped", "label": "ref", "status": "ok", "step_s": 0.1},
+            {"row": "ts_nf4", "label": "nf4", "status": "ok", "step_s": 0.2},
+            {"row": "peft", "label": "capped", "status": "oom", "step_s": None, "max_allocated": 3 * table.GiB}]
+    shown = {r["row"]: r for r in table.summarize(rows)}
+    assert shown["nf4"]["vs_fastest"] == 1.0 and shown["ref"]["vs_fastest"] == 0.5
+    assert shown["capped"]["status"] == "oom" and shown["capped"]["alloc_GiB"] == 3.0  # an OOM keeps its peak
+    assert "peft_uncapped" in table.UNCAPPED and table.ROWS["peft_uncapped"][2] == "peft_lora"
+
+
+def test_unsloth_rows_say_why_they_did_not_run_on_a_cpu():
+    payload, _ = table.run(shape="tiny", rows=["unsloth", "unsloth_ckpt"], seq=16, warmup=1, repeats=1,
+                           vram_budget_gib=0)
+    assert [r["status"] for r in payload["results"]] == ["not run: Unsloth needs a CUDA GPU"] * 2
+
+
+def test_unsloth_rows_see_their_own_folder_first(tmp_path):
+    """Unsloth's pins (trl <= 1.15, datasets < 5) live in a folder only its rows' processes put first on the path."""
+    import subprocess
+    import sys
+
+    from trainstream_hf.bench import unsloth
+
+    site = tmp_path / "site"
+    (site / "trl").mkdir(parents=True)
+    (site / "trl" / "__init__.py").write_text("__version__ = 'pinned-for-unsloth'\n")
+    env = unsloth.child_env({"PATH": os.environ["PATH"], unsloth.SITE_ENV: str(site)})
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    code = "import trl, trainstream_hf; print(trl.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.stdout.strip() == "pinned-for-unsloth", out.stderr
+
+
+def test_the_unsloth_checkpoint_holds_the_tables_weights(tmp_path, monkeypatch):
+    """Unsloth loads from disk: the saved folder holds the same seeded weights as every other row's model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainstream_hf.bench import unsloth
+    from trainstream_hf.bench.models import build_model
+
+    monkeypatch.setenv(unsloth.MODELS_ENV, str(tmp_path))
+    path = unsloth.saved_model("tiny", 3)
+    assert path == str(tmp_path / "tiny-seed3") and not list(tmp_path.glob("*.tmp-*"))
+    assert (tmp_path / "tiny-seed3" / "tokenizer.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+    built = build_model("tiny", torch.bfloat16, "cpu", 3).state_dict()
+    assert loaded.keys() == built.keys() and all(torch.equal(loaded[k], built[k]) for k in built)

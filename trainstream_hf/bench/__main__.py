@@ -14,6 +14,7 @@ import re
 import torch
 
 from trainstream_hf.bench import common
+from trainstream_hf.bench.table import ROWS as TABLE_ROWS
 
 SUITES = ("micro", "peers", "engine", "quant", "sqnr", "table")
 
@@ -40,8 +41,8 @@ def main(argv=None) -> None:
     peers.add_argument("--peers", default=None, help="comma-separated subset of: bandwidth,peft,peft_ckpt,"
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); engine: those and ts_lora,ts_nf4,"
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
-                       "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: ts_nvfp4_outliers,ts_nvfp4,"
-                       "ts_nf4,ts_fp8,ts_auto,bnb,bnb_ckpt,ds_lora,ds_lora_ckpt,peft,peft_ckpt")
+                       "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: "
+                       + ",".join(TABLE_ROWS))
     peers.add_argument("--longest", action="store_true",
                        help="table: instead of the step table, the longest sequence each row trains at under the cap "
                             "(doubling from --seq, default 8192, then bisecting to 4096 tokens; shape default "
@@ -59,7 +60,8 @@ def main(argv=None) -> None:
     where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
         if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
     suite = "sqnr-minilm" if args.suite == "sqnr" else "table-longest" if args.longest else args.suite
-    name = args.name or f"{suite}-{where}{'-quick' if args.quick else ''}"
+    shaped = f"-{args.shape}" if args.suite == "table" and args.shape else ""  # one file per shape of the table
+    name = args.name or f"{suite}{shaped}-{where}{'-quick' if args.quick else ''}"
 
     def on_row(partial: dict) -> None:  # each measured row reaches the JSON at once (a timed-out run keeps it)
         common.write_json(name, partial, args.out)
@@ -98,7 +100,7 @@ def main(argv=None) -> None:
         from trainstream_hf.bench import table
         quick_or_tiny = args.quick or args.shape == "tiny"
         payload, md = table.run(
-            shape=args.shape or ("tiny" if args.quick else "llama3-8b"), batch=args.batch,
+            shape=args.shape or ("tiny" if args.quick else "llama3.1-8b"), batch=args.batch,
             seq=args.seq or (64 if quick_or_tiny else 2048), warmup=args.warmup or (1 if args.quick else 3),
             repeats=args.repeats or (3 if args.quick else 10), vram_budget_gib=args.vram_budget_gib,
             rows=args.peers.split(",") if args.peers else None, row_timeout=args.row_timeout, on_row=on_row)
