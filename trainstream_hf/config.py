@@ -128,6 +128,16 @@ class TrainStreamConfig:
         "help": "Compute a causal LM's loss (transformers' ForCausalLMLoss) in row chunks: the same bits, without "
                 "the fp32 log-probabilities of every token over the vocabulary (3 GiB for an 8B Llama at 2048 "
                 "tokens). Models with another loss function are left alone."})
+    fused_loss: bool | str = field(default="auto", metadata={
+        "help": "Compute a causal LM's LM head and loss together in row chunks during training forwards with labels, "
+                "never holding every token's logits (38 GiB of bf16 for Llama-3 at 160k tokens); the output's "
+                "logits are then None. 'auto': when the logits would take at least 1 GiB; True: always; False: "
+                "never. The same maths, not the same bits as the whole-matrix loss (trainstream_hf/engine/head.py)."})
+    tiled_mlp: bool | str = field(default="auto", metadata={
+        "help": "Run a decoder block's MLP over tiles of tokens in training, recomputing one tile at a time in "
+                "backward, so its intermediate activations never exist for the whole sequence (18 GiB of bf16 for "
+                "Llama-3-8B at 160k tokens). 'auto': when one call's intermediate would take at least 1 GiB; True: "
+                "always; False: never. The same maths, not the same bits (trainstream_hf/engine/tiled.py)."})
     fused_norms: bool = field(default=False, metadata={
         "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "
                 "way instead of eight ops: the same maths, not the same bits (the row sum is reduced in another "

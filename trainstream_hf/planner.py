@@ -421,7 +421,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
 COPY_WINDOW = 0.8
 
 
-def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.device) -> int | None:
+def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.device, fused=None) -> int | None:
     """Peak device bytes of the model's head for one micro-batch, measured on CUDA: final norm, LM head and loss on
     random hidden states, then the gradient back to those hidden states (the moment the plan calls "logits").
 
@@ -429,7 +429,9 @@ def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.d
     peak came out 13% low on the H200 (tests/gpu/test_plan_cuda.py, 2026-12-03). Returns None off CUDA (no
     allocator statistics) or when the model has no recognisable head (no output embeddings, no
     ``loss_function``); the plan then keeps the formula. Resets the device's peak-memory statistics. Logit
-    soft-capping or scaling inside the model's forward (Gemma 2, Cohere) is not run here.
+    soft-capping or scaling inside the model's forward (Gemma 2, Cohere) is not run here. ``fused``: the engine's
+    :class:`~trainstream_hf.engine.head.FusedHead`; where it serves this batch shape, its chunked head and loss are
+    what is measured.
     """
     if torch.device(device).type != "cuda":
         return None
@@ -453,7 +455,10 @@ def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.d
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         x = norm(hidden) if norm is not None else hidden
-        loss = loss_fn(logits=head(x), labels=labels, vocab_size=int(vocab))
+        if fused is not None and fused.active_for(b * t):
+            loss = fused.loss_for(x, labels)
+        else:
+            loss = loss_fn(logits=head(x), labels=labels, vocab_size=int(vocab))
         torch.autograd.grad(loss, [hidden])  # no parameter gradients: the plan counts those separately
         del x, loss
         peak = torch.cuda.max_memory_allocated(device) - start

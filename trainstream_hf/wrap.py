@@ -33,12 +33,13 @@ from trainstream_hf.engine.arena import HostArena, host_memory_available
 from trainstream_hf.engine.blocks import check_wrappable, find_blocks
 from trainstream_hf.engine.casts import CastSources
 from trainstream_hf.engine.gcstats import GcPauses
-from trainstream_hf.engine.head import chunked_causal_lm_loss
+from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
 from trainstream_hf.engine.norms import FusedNorms
 from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.engine.peer import Peers
 from trainstream_hf.engine.streams import TransferStreams
+from trainstream_hf.engine.tiled import TiledMLP
 from trainstream_hf.engine.trace import Timeline
 from trainstream_hf.engine.weights import WeightPager, block_bytes, select_params
 from trainstream_hf.quant.model import quantize_frozen_base
@@ -95,7 +96,7 @@ class Engine:
         self.model, self.config, self.user_optimizer = model, config, user_optimizer
         self.plan: planner.Plan | None = None
         self.streams = self.arena = self.hooks = self.pager = self.offloader = None
-        self.casts = self.norms = self.loss_owner = None
+        self.casts = self.norms = self.loss_owner = self.fused_head = self.tiled = None
         self.optimizer = user_optimizer
         self.steps = 0
         self.expandable_segments = False  # wrap() switched the CUDA allocator to expandable segments
@@ -231,9 +232,9 @@ def _restore_attr(obj, name: str, old) -> None:
         setattr(obj, name, old)
 
 
-def _install_chunked_loss(model: nn.Module) -> nn.Module | None:
-    """Sets the chunked loss on the transformers model inside ``model`` when it uses transformers' own
-    ``ForCausalLMLoss`` (and no loss of the user's); returns that model, or None."""
+def _own_loss_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside ``model`` when its loss is transformers' own ``ForCausalLMLoss`` (and no loss of
+    the user's), else None: where the chunked loss and the fused head may go."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if "_loss_function" in base.__dict__ or not hasattr(type(base), "loss_function"):
         return None
@@ -241,10 +242,29 @@ def _install_chunked_loss(model: nn.Module) -> nn.Module | None:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:  # pragma: no cover - transformers is a dependency
         return None
-    if base.loss_function is not ForCausalLMLoss:
-        return None
-    base.__dict__["_loss_function"] = chunked_causal_lm_loss
+    return base if base.loss_function is ForCausalLMLoss else None
+
+
+def _install_chunked_loss(model: nn.Module) -> nn.Module | None:
+    """Sets the chunked loss on :func:`_own_loss_model`; returns that model, or None."""
+    base = _own_loss_model(model)
+    if base is not None:
+        base.__dict__["_loss_function"] = chunked_causal_lm_loss
     return base
+
+
+def _fused_head_applies(base: nn.Module, mode) -> bool:
+    """Whether the fused head can serve ``base``: an output embedding with a 2-D weight, and (for ``"auto"``) no
+    logit soft-capping or scaling in the config (those models change the logits between head and loss; forced
+    with ``True`` they fail loudly at the first fused step)."""
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if getattr(head, "weight", None) is None or head.weight.dim() != 2:
+        return False
+    config = getattr(base, "config", None)
+    if getattr(config, "vocab_size", None) is None:
+        return False
+    changes = any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale"))
+    return mode is True or not changes
 
 
 def _remove_chunked_loss(base: nn.Module | None) -> None:
@@ -323,6 +343,8 @@ class _Setup:
     casts: CastSources | None = None
     norms: FusedNorms | None = None
     loss_owner: nn.Module | None = None
+    fused_head: FusedHead | None = None
+    tiled: TiledMLP | None = None
     keep: list = None  # _OnFailure undos to commit when wrap succeeds
 
     def drop_casts(self) -> None:
@@ -430,9 +452,17 @@ def _prepare(s: _Setup, undo: contextlib.ExitStack) -> None:
     s.batch_shape = config.batch_shape or _default_batch_shape(model)
     _keep_placement(s, undo)
     _move_outside_blocks(model, {id(m) for b in s.blocks for m in b.modules()}, s.device)
-    if config.chunked_loss:
+    owner = _own_loss_model(model)
+    if config.fused_loss and owner is not None and _fused_head_applies(owner, config.fused_loss):
+        s.fused_head = FusedHead(model, owner, config.fused_loss, exact=config.chunked_loss).install()
+        undo.callback(s.fused_head.uninstall)
+    elif config.chunked_loss:
         s.loss_owner = _install_chunked_loss(model)
         undo.callback(_remove_chunked_loss, s.loss_owner)
+    if config.tiled_mlp:  # before the block is measured: a tiled MLP saves its input alone
+        s.tiled = TiledMLP(config.tiled_mlp)
+        undo.callback(s.tiled.uninstall)
+        s.tiled.install(s.blocks)
     if config.fused_norms:  # before the block is measured: the fused norm saves less
         s.norms = FusedNorms()
         undo.callback(s.norms.uninstall)
@@ -456,7 +486,13 @@ def _make_plan(s: _Setup) -> planner.Plan:
         if home != {device}:
             b.to(device)  # for the measurement only; the plan decides where it lives
     m = planner.measure_block(model, blocks[probe], s.batch_shape, device, casts=s.casts)
-    head = planner.measure_head(model, s.batch_shape, device)
+    head = planner.measure_head(model, s.batch_shape, device, fused=s.fused_head)
+    tokens = s.batch_shape[0] * s.batch_shape[1]
+    if head is None and s.fused_head is not None and s.fused_head.active_for(tokens):
+        # Unmeasured (off CUDA): the hidden states' gradient and a chunk's logits, fp32 log-probabilities and their
+        # gradients, instead of the plan's whole-matrix formula.
+        w = s.fused_head.head.weight
+        head = fused_head_bytes(tokens, w.shape[1], w.shape[0], next(model.parameters()).element_size())
     for b, home in zip(blocks, homes):
         if home != {device}:
             b.to(next(iter(home)) if len(home) == 1 else "cpu")
@@ -624,7 +660,8 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     if isinstance(engine.optimizer, OffloadedAdamW):
         _track_masters(model, engine.optimizer, undo)
     engine.plan = pl
-    engine.casts, engine.norms, engine.loss_owner = s.casts, s.norms, s.loss_owner
+    engine.casts, engine.norms, engine.loss_owner, engine.fused_head = s.casts, s.norms, s.loss_owner, s.fused_head
+    engine.tiled = s.tiled
     engine._start_clock(undo)
     engine.install_recompute(blocks, pl.recomputed_blocks, undo)
     if isinstance(engine.optimizer, OffloadedAdamW) and engine.optimizer.overlap_step:

@@ -83,13 +83,20 @@ def test_wrap_installs_it_only_over_transformers_own_loss():
     import trainstream_hf as ts
 
     model = _tiny_llama()
-    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None)
+    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, fused_loss=False)
     assert model.loss_function is chunked_causal_lm_loss
     ts.unwrap(model)
     assert model.loss_function is ForCausalLMLoss
-    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, chunked_loss=False)
+    model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, chunked_loss=False, fused_loss=False)
     assert model.loss_function is ForCausalLMLoss
     ts.unwrap(model)
+    # with the fused head (default "auto"), a call it does not take goes to the chunked loss, or with
+    # chunked_loss=False to transformers' own
+    for chunked, plain in ((True, chunked_causal_lm_loss), (False, ForCausalLMLoss)):
+        model, _ = ts.wrap(model, None, vram_budget="64GiB", host_arena=None, chunked_loss=chunked)
+        assert model.loss_function.__self__._plain_loss is plain
+        ts.unwrap(model)
+        assert model.loss_function is ForCausalLMLoss
 
     def mine(logits, labels, vocab_size, **kw):
         return logits.float().mean()
