@@ -288,18 +288,18 @@ def test_fixed_arena_smaller_than_plan_is_a_clear_error():
 
 
 def test_recomputed_blocks_train_exactly_and_are_restored(train_side_by_side):
-    """recompute=True checkpoints every block (transformers' own mechanism, per layer): losses and
-    gradients equal the plain model's bit for bit; unwrap turns checkpointing off again."""
+    """recompute=True checkpoints every block (its forward, the module hooks outside): losses and gradients equal
+    the plain model's bit for bit; unwrap turns checkpointing off again."""
     ref = _llama()
     model = copy.deepcopy(ref)
     model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), vram_budget="64GiB",
                          host_arena=None, recompute=True, offload_activations=False, page_weights=False,
                          offload_optimizer=False)
     assert ts.engine_of(model).plan.recomputed_blocks == [0, 1, 2]
-    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)
     train_side_by_side(ref, model, torch.optim.AdamW(ref.parameters(), lr=1e-3), opt, [_batch(s) for s in range(3)])
     ts.unwrap(model)
-    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    assert not any("forward" in layer.__dict__ or layer.gradient_checkpointing for layer in model.model.layers)
 
 
 def test_plan_checkpoints_when_copies_cannot_hide():
@@ -488,3 +488,48 @@ def test_stats_count_the_last_step_alone():
         per_step.append((s["weights"]["loads_forward"], s["weights"]["h2d_bytes"], s["activations"]["offloaded"]))
     assert per_step[0] == per_step[1] == per_step[2] and per_step[0][0] == len(model.trainstream_plan.paged_blocks)
     ts.unwrap(model)
+
+
+def test_checkpoint_inputs_in_host_ram_train_exactly(train_side_by_side):
+    """recompute=True with offload_activations=True: every block checkpointed, its input (what a checkpointed
+    block keeps) in host RAM and back for the recompute; losses and gradients bit for bit the plain model's."""
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), vram_budget="64GiB",
+                         host_arena=None, recompute=True, offload_activations=True, page_weights=False,
+                         offload_optimizer=False, min_activation_bytes=0)
+    eng = ts.engine_of(model)
+    assert [b.activations for b in eng.plan.blocks] == ["recompute_host"] * 3
+    assert eng.plan.recomputed_blocks == eng.plan.offloaded_activation_blocks == [0, 1, 2]
+    assert eng.plan.pcie_bytes() == 3 * 2 * eng.plan.blocks[0].input_bytes > 0
+    train_side_by_side(ref, model, torch.optim.AdamW(ref.parameters(), lr=1e-3), opt, [_batch(s) for s in range(3)])
+    moved = eng.offloader.stats()
+    # each step, each block's input hidden states (2 x 16 x 64 fp32) went down and came back for the recompute
+    assert moved["d2h_bytes"] == moved["h2d_bytes"] >= 3 * 3 * 2 * 16 * 64 * 4
+    ts.unwrap(model)
+
+
+def test_long_sequences_offload_checkpoint_inputs_before_paging():
+    """When even every block's input is too much for the budget (long sequences), the plan keeps them in host RAM
+    and recomputes, rather than paging weights; the last inputs that fit stay on the device."""
+    from trainstream_hf.planner import plan as make_plan
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    blocks = list(model.model.layers)
+    a, inp = 8 << 20, 4 << 20
+
+    def make(budget):
+        return make_plan(model, blocks, batch_shape=(2, 16), vram_budget=budget, activation_bytes=a, input_bytes=inp,
+                         forward_seconds=1e-9, min_activation_bytes=0)
+
+    base = make("64GiB")
+    floor = base.predicted_peak() - max(base._moments())  # weights and fixed state
+    # room for one block's recompute (a + its input) and two more inputs, not for eight inputs
+    pl = make(floor + base.margin + a + 3 * inp + inp // 2)
+    assert pl.fits() and not pl.paged_blocks
+    kinds = [b.activations for b in pl.blocks]
+    assert kinds[0] == "recompute_host" and kinds[-1] == "recompute" and set(kinds) == {"recompute", "recompute_host"}
+    assert pl.host_bytes() == inp * kinds.count("recompute_host")
+    assert pl.pcie_bytes() == 2 * inp * kinds.count("recompute_host")

@@ -66,14 +66,16 @@ def page_filter(min_offload_numel: int) -> Callable[[str, nn.Parameter], bool]:
 @dataclass
 class BlockPlan:
     """Placement of one block. Weights are on ``"device"`` or ``"host"``; activations on ``"device"``,
-    ``"host"`` or ``"recompute"`` (only the block's input is kept; the forward runs again in backward)."""
+    ``"host"``, ``"recompute"`` (only the block's input is kept; the forward runs again in backward) or
+    ``"recompute_host"`` (recomputed, and its input waits in host RAM: long sequences, where 32 blocks' inputs
+    outgrow the GPU)."""
 
     index: int
     weight_bytes: int
     trainable_numel: int
     activation_bytes: int
     weights: str = "device"
-    activations: str = "device"   # "device", "host" (offloaded) or "recompute" (checkpointed)
+    activations: str = "device"   # "device", "host" (offloaded), "recompute" (checkpointed) or "recompute_host"
     input_bytes: int = 0          # what a checkpointed block keeps: its input
     can_recompute: bool = False
     kept_bytes: int = 0           # held beside resident weights, none when paged (QuantLinear's transposed FP8 codes)
@@ -91,9 +93,12 @@ class BlockPlan:
         n = 0
         if self.weights == "host":
             n += 2 * self.host_weight_bytes()  # up for forward, up again for backward
-        if self.activations == "host":
-            n += 2 * self.activation_bytes  # down in forward, up in backward
-        return n
+        return n + 2 * self.host_activation_bytes()  # down in forward, up in backward
+
+    def host_activation_bytes(self) -> int:
+        """Bytes of this block's saved tensors that wait in host RAM (all of them, its input, or none)."""
+        return self.activation_bytes if self.activations == "host" else \
+            self.input_bytes if self.activations == "recompute_host" else 0
 
 
 @dataclass
@@ -123,7 +128,8 @@ class Plan:
 
     @property
     def offloaded_activation_blocks(self) -> list[int]:
-        return [b.index for b in self.blocks if b.activations == "host"]
+        """Blocks whose saved tensors go to host RAM (all of them, or a checkpointed block's input)."""
+        return [b.index for b in self.blocks if b.activations in ("host", "recompute_host")]
 
     def _activation_rows(self) -> tuple[list[int], list[int]]:
         """Per block: the saved bytes that stay on the device from its forward until its backward (kept
@@ -131,25 +137,27 @@ class Plan:
         its backward runs (the recomputed or fetched activations)."""
         resident = [b.activation_bytes if b.activations == "device" else
                     b.input_bytes if b.activations == "recompute" else 0 for b in self.blocks]
-        current = [0 if b.activations == "device" else b.activation_bytes for b in self.blocks]
+        current = [0 if b.activations == "device" else
+                   b.activation_bytes + (b.input_bytes if b.activations == "recompute_host" else 0)
+                   for b in self.blocks]
         return resident, current
 
     def forward_backlog(self) -> int:
         """Bytes of offloaded activations still on the device at the end of the forward pass: the last
         offloaded block's, when the blocks after it run for less than its copy takes (unknown forward time:
         none)."""
-        host = [b for b in self.blocks if b.activations == "host"]
+        host = [b for b in self.blocks if b.host_activation_bytes()]
         if not host or self.forward_seconds is None:
             return 0
         last = host[-1]
         after = (len(self.blocks) - 1 - last.index) * self.forward_seconds * COPY_WINDOW
-        return last.activation_bytes if after < last.activation_bytes / self.pcie_bps else 0
+        return last.host_activation_bytes() if after < last.host_activation_bytes() / self.pcie_bps else 0
 
     def _moments(self) -> tuple[int, int, int]:
         """Activation-and-gradient bytes at the three moments that can be the peak: the end of the forward
         pass (beside the logits), the worst block of the backward pass, and the end of backward."""
         kept = sum(b.activation_bytes for b in self.blocks if b.activations == "device")
-        one_host = max((b.activation_bytes for b in self.blocks if b.activations == "host"), default=0)
+        one_host = max((b.host_activation_bytes() for b in self.blocks), default=0)
         rc_inputs = sum(b.input_bytes for b in self.blocks if b.activations == "recompute")
         # Forward: kept blocks come last; an offloaded block's activations are on the device while it computes
         # and while its copy runs (the plan spaces offloaded blocks so one copy is in flight at a time).
@@ -163,7 +171,7 @@ class Plan:
             for i, (r, c) in enumerate(zip(resident, current)):
                 run += r
                 below = self.blocks[i - 1] if i else None
-                nxt = below.activation_bytes if below is not None and below.activations == "host" else 0
+                nxt = below.host_activation_bytes() if below is not None else 0
                 backward = max(backward, run + c + nxt)
             backward += self.grad_bytes
         one_block = max((b.activation_bytes for b in self.blocks), default=0)
@@ -202,12 +210,12 @@ class Plan:
         are on the host at the end of the forward pass) and, per offloaded parameter, the fp32 master,
         both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
         return (self.paged_bytes()
-                + sum(b.activation_bytes for b in self.blocks if b.activations == "host")
+                + sum(b.host_activation_bytes() for b in self.blocks)
                 + 18 * self.offload_numel + (2 * self.offload_numel if self.grads == "host" else 0))
 
     @property
     def recomputed_blocks(self) -> list[int]:
-        return [b.index for b in self.blocks if b.activations == "recompute"]
+        return [b.index for b in self.blocks if b.activations in ("recompute", "recompute_host")]
 
     def predicted_step_floor(self) -> float:
         """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds)."""
@@ -482,6 +490,27 @@ def _numel_bytes(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _offload_checkpoint_inputs(pl: Plan) -> None:
+    """Before paging weights: every block recomputed with its input in host RAM (what long sequences need: at 160k
+    tokens a Llama-3-8B block's input is 1.3 GB, 42 GB for 32 blocks, and one block's other saved tensors are more
+    than a 24 GiB budget can hold beside them), then the last blocks' inputs back on the device while it fits (less
+    traffic). A block's input is a small part of its weights' bytes at ordinary lengths (16 MiB against 436 MiB for
+    Llama-3-8B at 2048 tokens), so this moves far less than paging would. Left as it was when it does not fit."""
+    before = [b.activations for b in pl.blocks]
+    takers = [b for b in pl.blocks if b.can_recompute]
+    for b in takers:
+        b.activations = "recompute_host"
+    if not pl.fits():
+        for b, a in zip(pl.blocks, before):
+            b.activations = a
+        return
+    for b in reversed(takers):
+        b.activations = "recompute"
+        if not pl.fits():
+            b.activations = "recompute_host"
+            break
+
+
 def _prefer_recompute_when_paging(pl: Plan, page) -> None:
     """Once weights are paged, the H2D link carries every paged block twice per step and is the bottleneck: an
     offloaded block's activations would queue behind the weights (up in backward), while recomputing it costs
@@ -690,9 +719,11 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     # An offloaded block whose saved tensors all stay on the device (below min_activation_bytes) saves nothing.
     movable = _activations_movable(activation_sizes, activation_bytes, min_activation_bytes)
     if offload_activations is True:
-        if movable:
+        if movable or recompute is True:
             for b in block_plans:
-                b.activations = "host"
+                # with recompute=True too: checkpointed, and what a checkpointed block keeps (its input) offloaded
+                b.activations = "recompute_host" if recompute is True and b.can_recompute else \
+                    "host" if movable else b.activations
         else:
             _warn_activations_unmoved(activation_sizes, min_activation_bytes)
     elif offload_activations == "auto" and not pl.fits():
@@ -718,6 +749,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                     b.activations = "recompute"
             if pl.fits():
                 break
+        if not pl.fits() and recompute is not False and input_bytes >= min_activation_bytes:
+            _offload_checkpoint_inputs(pl)
     if page_weights is True or (page_weights == "auto" and not pl.fits()):
         if prefetch >= slots:
             raise ValueError(f"prefetch ({prefetch}) must be below slots ({slots}): a slot is refilled only "

@@ -14,6 +14,7 @@ quantized layers, where parameters live): their undo holds the originals until `
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -188,19 +189,19 @@ class Engine:
 
     # -- checkpointed blocks -----------------------------------------------------------------------
     def install_recompute(self, blocks, indices, undo: contextlib.ExitStack) -> None:
-        """Turns on transformers' own gradient checkpointing (non-reentrant) for the chosen blocks only, the
-        way ``model.gradient_checkpointing_enable()`` does for all of them (``GradientCheckpointingLayer``'s
-        ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``); unwrap restores them."""
-        import functools
-
+        """Checkpoints (non-reentrant) the chosen blocks' ``forward`` in training, the module hooks staying outside
+        the checkpoint (as transformers >= 5.24's ``GradientCheckpointingLayer`` does; earlier versions checkpoint
+        ``__call__``), whatever the transformers version: the block hooks' saved-tensor context is then the one
+        the checkpoint saves its inputs through, so a ``recompute_host`` block's input goes to host RAM. A cache
+        passed to a checkpointed block is dropped with ``use_cache``, as transformers does (the recompute would
+        write it twice). unwrap restores the forward."""
         from torch.utils.checkpoint import checkpoint
 
         for i in indices:
             layer = blocks[i]
-            for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
-                undo.callback(_restore_attr, layer, name, layer.__dict__.get(name, _MISSING))
-            layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+            undo.callback(_restore_attr, layer, "forward", layer.__dict__.get("forward", _MISSING))
+            inner = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
+            layer.__dict__["forward"] = functools.partial(_checkpointed_forward, layer, inner, checkpoint)
 
     # -- overlapped optimizer step -------------------------------------------------------------------
     def install_step_overlap(self, blocks, undo: contextlib.ExitStack) -> None:
@@ -223,6 +224,18 @@ class Engine:
         """Runs every install step's undo, last installed first; the model keeps its trained weights."""
         self._undo.close()
         return self.model
+
+
+def _checkpointed_forward(layer: nn.Module, inner, checkpoint, *args, **kwargs):
+    if not (layer.training and torch.is_grad_enabled()):
+        return inner(*args, **kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        for name in ("past_key_values", "past_key_value", "cache", "layer_past"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
 
 def _restore_attr(obj, name: str, old) -> None:

@@ -75,7 +75,7 @@ def test_longest_runs_each_probe_in_a_child():
                                     vram_budget_gib=0)
     r = payload["results"][0]
     assert r["status"] == "ok" and r["longest_seq"] == 64 and [n for n, _ in r["probes"]] == [16, 32, 64]
-    assert r["tokens_per_s"] > 0 and "| PyTorch + PEFT, bf16 | ok | 64 |" in md
+    assert r["tokens_per_s"] > 0 and "| PyTorch + PEFT, bf16 | ok | 64 |" in md and "first_step_tokens_per_s" in md
 
 
 def test_an_uncapped_reference_row_is_never_the_fastest():

@@ -47,6 +47,8 @@ def main(argv=None) -> None:
                        help="table: instead of the step table, the longest sequence each row trains at under the cap "
                             "(doubling from --seq, default 8192, then bisecting to 4096 tokens; shape default "
                             "llama3.1-8b)")
+    peers.add_argument("--granularity", type=int, default=None,
+                       help="table --longest: bisect down to this many tokens (default 4096)")
     peers.add_argument("--row-timeout", type=float, default=1800.0,
                        help="table: seconds a row's process may run before it is stopped and reported as such")
     parser.add_argument("--gc-freeze", action="store_true",
@@ -93,7 +95,8 @@ def main(argv=None) -> None:
         tiny = args.quick or args.shape == "tiny"
         payload, md = table.run_longest(
             shape=args.shape or ("tiny" if args.quick else "llama3.1-8b"), batch=args.batch,
-            start=args.seq or (16 if tiny else 8192), limit=256 if tiny else 262144, granularity=16 if tiny else 4096,
+            start=args.seq or (16 if tiny else 8192), limit=256 if tiny else 262144,
+            granularity=args.granularity or (16 if tiny else 4096),
             vram_budget_gib=args.vram_budget_gib, rows=args.peers.split(",") if args.peers else None,
             row_timeout=args.row_timeout, on_row=on_row)
     elif args.suite == "table":
