@@ -130,3 +130,33 @@ def test_bad_options_and_widths_are_errors(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TrainStreamQuantizationConfig("nf4"))
     cfg = TrainStreamQuantizationConfig.from_dict(TrainStreamQuantizationConfig("fp8", outliers=0.01).to_dict())
     assert (cfg.quantize, cfg.outliers, cfg.skip) == ("fp8", 0.01, ["lm_head"])
+
+
+def test_packed_layers_are_nn_linear_that_nothing_re_initialises_or_re_quantizes(llama_dir):
+    """QuantLinear is an nn.Linear subclass (for PEFT's dispatch) without a dense weight: transformers' weight init
+    skips it, quantize_model leaves it alone, nn.Linear's reset_parameters and from_linear refuse it."""
+    model = quantize_model(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32), "nf4")
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(quant) == 14 and all(isinstance(m, nn.Linear) for m in quant.values())
+    before = {k: _bytes(v).clone() for k, v in model.state_dict().items()}
+    model.initialize_weights()  # transformers' _init_weights over every module not flagged as initialised
+    quantize_model(model, "int8")
+    assert {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)} == quant
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(_bytes(after[k]), before[k]) for k in before)
+    layer = quant["model.layers.0.self_attn.q_proj"]
+    with pytest.raises(NotImplementedError, match="cannot be re-initialised"):
+        layer.reset_parameters()
+    with pytest.raises(TypeError, match="already quantized"):
+        QuantLinear.from_linear(layer, "int8")
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_the_loaded_model_carries_the_kbit_flag_peft_and_trl_read(llama_dir, fmt):
+    plain = AutoModelForCausalLM.from_pretrained(llama_dir)
+    assert not getattr(plain, "is_loaded_in_8bit", False) and not getattr(plain, "is_loaded_in_4bit", False)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=TrainStreamQuantizationConfig(fmt))
+    assert model.is_loaded_in_8bit is True and not getattr(model, "is_loaded_in_4bit", False)
+    assert model.num_parameters() > 0  # transformers imports bitsandbytes here for is_loaded_in_4bit models
+    model.hf_quantizer.remove_quantization_config(model)  # what dequantize() ends with
+    assert not hasattr(model, "is_loaded_in_8bit") and not model.is_quantized

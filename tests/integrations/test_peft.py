@@ -111,9 +111,11 @@ def test_save_pretrained_and_load_quant_lora_round_trip(tmp_path):
         expected = model(ids).logits
     model.save_pretrained(tmp_path)
 
-    # PEFT's plain loader builds a LoraConfig without the custom dispatch: that is what load_quant_lora is for.
-    with pytest.raises(ValueError, match="is not supported"):
-        PeftModel.from_pretrained(quantize_model(_llama(), "nf4"), tmp_path)
+    # PEFT's plain loader: its LoraConfig has no custom dispatch, and PEFT's own gives the same layers.
+    plain = PeftModel.from_pretrained(quantize_model(_llama(), "nf4"), tmp_path)
+    assert sum(isinstance(m, QuantLoraLinear) for m in plain.modules()) == 2 * len(LINEARS)
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, expected)
 
     loaded = load_quant_lora(quantize_model(_llama(), "nf4"), tmp_path)
     layers = [m for m in loaded.modules() if isinstance(m, QuantLoraLinear)]

@@ -1,5 +1,5 @@
-"""PEFT LoRA over QuantLinear (CPU): PEFT does not wrap it out of the box; with register_quant_lora it does, the LoRA
-adapters train and the quantized base stays frozen."""
+"""PEFT LoRA over QuantLinear (CPU): PEFT's own dispatch wraps it in QuantLoraLinear (register_quant_lora gives the
+same layer), the LoRA adapters train and the quantized base stays frozen."""
 import pytest
 import torch
 
@@ -15,10 +15,71 @@ LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 
-def test_peft_does_not_wrap_quant_linear_out_of_the_box(tiny_llama):
-    model = quantize_model(tiny_llama(), "nf4")
-    with pytest.raises(ValueError, match="is not supported"):
-        get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+def test_peft_wraps_quant_linear_in_quant_lora_linear_out_of_the_box(tiny_llama, token_ids):
+    """No registration: QuantLinear is an nn.Linear to PEFT's dispatch, and PEFT's lora.Linear becomes a QuantLoraLinear
+    as it takes one as its base; the same layer as through register_quant_lora, with the same outputs."""
+    assert isinstance(QuantLinear.from_linear(torch.nn.Linear(64, 8), "nf4"), torch.nn.Linear)
+    ids = token_ids()
+    outputs = []
+    for config in (LoraConfig(r=4, target_modules=["q_proj", "down_proj"]),
+                   register_quant_lora(LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))):
+        torch.manual_seed(0)
+        model = get_peft_model(quantize_model(tiny_llama(), "nf4"), config)
+        layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+        assert len(layers) == 4 and all(type(m) is QuantLoraLinear for m in layers)
+        with torch.no_grad():
+            for m in layers:
+                m.lora_B["default"].weight.normal_(std=0.1)
+        outputs.append(model(ids).logits)
+    assert torch.equal(*outputs)
+
+
+def test_only_peft_lora_linear_over_a_quant_linear_switches():
+    """The switch happens for PEFT's exact lora.Linear taking a QuantLinear base, nowhere else."""
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+    quant = QuantLinear.from_linear(torch.nn.Linear(64, 8), "int8")
+    dense = PeftLoraLinear(torch.nn.Linear(64, 8), "default", config=LoraConfig(r=2), r=2)
+    assert type(dense) is PeftLoraLinear
+    holder = torch.nn.Module()
+    holder.base_layer = quant  # not a PEFT layer
+    assert type(holder) is torch.nn.Module
+
+    class OtherLora(PeftLoraLinear):  # PEFT's bitsandbytes / torchao layers are subclasses: left as they are
+        pass
+
+    assert type(OtherLora(quant, "default", config=LoraConfig(r=2), r=2)) is OtherLora
+    assert type(PeftLoraLinear(quant, "default", config=LoraConfig(r=2), r=2)) is QuantLoraLinear
+
+
+def test_packing_and_unpacking_the_base_of_a_peft_model_switches_the_layer_both_ways(tiny_llama, token_ids):
+    """quantize_frozen_base packs the bases of existing LoRA layers: they become QuantLoraLinear; putting the dense
+    layers back (what wrap does when it fails after packing) gives PEFT's lora.Linear again, as before."""
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+    from trainstream_hf.quant import quantize_frozen_base
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = token_ids()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(std=0.1)
+        before = model(ids).logits
+    lora = [m for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert len(lora) == 4 and all(type(m) is PeftLoraLinear for m in lora)
+    originals = []
+    quantize_frozen_base(model, "nf4", replaced=lambda parent, child, old: originals.append((parent, child, old)))
+    assert len(originals) == 14  # every frozen linear layer, the LoRA layers' bases among them
+    assert all(type(m) is QuantLoraLinear and isinstance(m.base_layer, QuantLinear) for m in lora)
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, before, atol=1e-4)
+    for parent, child, old in originals:
+        setattr(parent, child, old)
+    assert all(type(m) is PeftLoraLinear and type(m.base_layer) is torch.nn.Linear for m in lora)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "fp8"])
@@ -97,13 +158,17 @@ def test_bf16_base_adapter_dtype_as_for_nn_linear_and_merge_is_refused(autocast_
         model.merge_adapter()
 
 
-def test_dense_weight_features_are_refused_and_orthogonal_init_works(tiny_llama):
+@pytest.mark.parametrize("register", [False, True])
+def test_dense_weight_features_are_refused_and_orthogonal_init_works(tiny_llama, register):
     model = quantize_model(tiny_llama(), "nf4")
+    lora = (lambda **kw: register_quant_lora(LoraConfig(**kw))) if register else LoraConfig
     with pytest.raises(ValueError, match="unsupported variant"):
-        get_peft_model(model, register_quant_lora(LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)))
+        get_peft_model(model, lora(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(NotImplementedError, match="init_lora_weights='pissa' reads the dense base weight"):
-        get_peft_model(model, register_quant_lora(LoraConfig(r=4, target_modules=["q_proj"],
-                                                             init_lora_weights="pissa")))
+        get_peft_model(model, lora(r=4, target_modules=["q_proj"], init_lora_weights="pissa"))
+    peft_model = get_peft_model(quantize_model(tiny_llama(), "nf4"), lora(r=4, target_modules=["q_proj"]))
+    with pytest.raises(NotImplementedError, match="init_lora_weights='olora' reads the dense base weight"):
+        peft_model.add_adapter("second", lora(r=4, target_modules=["q_proj"], init_lora_weights="olora"))
     config = LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="orthogonal")
     model = get_peft_model(quantize_model(tiny_llama(), "nf4"), register_quant_lora(config))
     assert float(model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.abs().sum()) > 0

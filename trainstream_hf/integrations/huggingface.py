@@ -34,6 +34,15 @@ The weights go where ``device_map`` puts them; placing them in the engine's host
 do (:data:`NOT_SERIALIZABLE`): the packed layout is this package's own; save the adapters (PEFT) or the original
 checkpoint. Adapters added through transformers' own PEFT integration (``model.add_adapter``) are saved as usual.
 Checkpoints saved with a ``quantization_config`` of this kind are not loadable as pre-quantized either.
+
+What PEFT and TRL see (:data:`KBIT_FLAG`): transformers sets ``is_quantized``, ``quantization_method`` ("trainstream")
+and ``hf_quantizer`` on every quantized model; PEFT's ``prepare_model_for_kbit_training`` and TRL's QLoRA branches
+(``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ... in TRL 1.16) test ``is_loaded_in_8bit`` / ``is_loaded_in_4bit``
+instead, so the loaded model also gets ``is_loaded_in_8bit = True``, for every format: they then turn on gradient
+checkpointing and input gradients, freeze the base, upcast the remaining bf16 / fp16 parameters (the packed tensors
+are uint8, int8, float8 or float32, so nothing packed is cast), and TRL keeps the adapters in bf16, as for
+bitsandbytes. The PEFT LoRA layer over each packed layer is :class:`~trainstream_hf.quant.lora.QuantLoraLinear`
+without any registration (:mod:`trainstream_hf.quant.lora`).
 """
 from __future__ import annotations
 
@@ -55,9 +64,16 @@ from trainstream_hf.quant.linear import QuantLinear, _is_conv1d
 from trainstream_hf.quant.model import _is_target, _skipped
 
 __all__ = ["TrainStreamQuantizationConfig", "TrainStreamHfQuantizer", "LoadedQuantLinear", "QUANT_METHOD",
-           "NOT_SERIALIZABLE"]
+           "NOT_SERIALIZABLE", "KBIT_FLAG"]
 
 QUANT_METHOD = "trainstream"
+
+# The model attribute PEFT (prepare_model_for_kbit_training, peft 0.21) and TRL (1.16) read as "a k-bit quantized base"
+# (they test is_loaded_in_8bit or is_loaded_in_4bit and nothing else: not is_quantized). The 8-bit name for the 4-bit
+# formats too: transformers 5.25's PreTrainedModel.num_parameters imports bitsandbytes whenever is_loaded_in_4bit is
+# set, and Trainer calls it at every step (floating_point_ops), so without bitsandbytes installed a 4-bit flag would
+# break training; the other readers do the same for either name where the layers are not bitsandbytes'.
+KBIT_FLAG = "is_loaded_in_8bit"
 
 NOT_SERIALIZABLE = (
     "trainstream: save_pretrained cannot write this model: its linear layers are packed ({fmt}) in trainstream_hf's "
@@ -113,12 +129,13 @@ class TrainStreamQuantizationConfig(QuantizationConfigMixin):
 
 
 class LoadedQuantLinear(QuantLinear):
-    """A :class:`QuantLinear` put in place while loading; it differs only in telling transformers it is initialised.
+    """A :class:`QuantLinear` put in place while loading; it differs only in telling transformers its weight is
+    initialised.
 
-    transformers 5.24 runs the model's ``_init_weights`` over every module after loading and skips tensors flagged
-    ``_is_hf_initialized`` (``transformers.initialization``); some models' init reaches into a child's ``.weight``
-    directly (GPT-2's scaled ``c_proj`` init), which for a QuantLinear is a fresh :class:`QuantizedTensor` each time,
-    so the flag has to ride on it.
+    transformers 5.24 runs the model's ``_init_weights`` over every module after loading and skips modules and tensors
+    flagged ``_is_hf_initialized`` (``transformers.initialization``); QuantLinear carries the module flag, but some
+    models' init reaches into a child's ``.weight`` directly (GPT-2's scaled ``c_proj`` init), which for a QuantLinear
+    is a fresh :class:`QuantizedTensor` each time, so the flag has to ride on it too.
     """
 
     _is_hf_initialized = True
@@ -217,7 +234,14 @@ class TrainStreamHfQuantizer(HfQuantizer):
                           f"initialised: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''}", stacklevel=2)
             for name in left:
                 self._swap(model, name, model.get_submodule(name).weight)
+        setattr(model, KBIT_FLAG, True)  # the module docstring: what PEFT and TRL see
         return model
+
+    def remove_quantization_config(self, model: nn.Module) -> None:
+        """transformers' clean-up once the model is no longer quantized (``dequantize``), the k-bit flag included."""
+        super().remove_quantization_config(model)
+        if hasattr(model, KBIT_FLAG):
+            delattr(model, KBIT_FLAG)
 
     def is_serializable(self, **kwargs: Any) -> bool:
         """Never: the packed layout is this package's own. transformers (5.24, 5.25) asks only from ``save_pretrained``,

@@ -1,27 +1,21 @@
-"""PEFT: LoRA over trainstream's quantized bases, from ``get_peft_model`` to a saved adapter and back (peft 0.21).
+"""PEFT: LoRA over trainstream's quantized bases (peft 0.21).
 
-The LoRA layer itself, :class:`~trainstream_hf.quant.lora.QuantLoraLinear`, lives next to ``QuantLinear``; this module
-is the user's face of it::
+PEFT's own calls need nothing of this module: ``QuantLinear`` is an ``nn.Linear`` to PEFT, so
+``get_peft_model(model, LoraConfig(target_modules="all-linear"))``, ``PeftModel.from_pretrained(quantized_base,
+adapter_dir)`` and ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir, quantization_config=...)`` wrap every
+packed layer, and the LoRA layer over one is :class:`~trainstream_hf.quant.lora.QuantLoraLinear` (the fused native
+path) without any registration (:mod:`trainstream_hf.quant.lora`)::
 
-    from trainstream_hf.integrations.peft import load_quant_lora, quant_lora_config
     model = quantize_model(base, "nf4")
-    model = get_peft_model(model, quant_lora_config(model, r=16, target_modules="all-linear"))
+    model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
     ...                                       # train; model.disable_adapter() gives the base's outputs
     model.save_pretrained(path)               # a standard PEFT adapter (adapter_config.json + safetensors)
-    model = load_quant_lora(quantize_model(fresh_base, "nf4"), path)
+    model = PeftModel.from_pretrained(quantize_model(fresh_base, "nf4"), path)
     merged = model.merge_and_unload()         # plain nn.Linear layers: dequantized base + LoRA delta
 
-Why a loader: PEFT's custom-module dispatch (``LoraConfig._register_custom_module``) is a runtime mapping of classes
-that ``save_pretrained`` does not write into ``adapter_config.json``, and ``PeftModel.from_pretrained`` builds a fresh
-``LoraConfig`` from that file, so it has no mapping and would raise "Target module QuantLinear ... is not supported".
-The public route peft 0.21 leaves is to load the config, register the mapping again and pass it as ``config=`` to
-``PeftModel.from_pretrained``; :func:`load_quant_lora` does exactly that (and the same through ``add_adapter`` +
-``load_adapter`` for a further adapter on a ``PeftModel``). The saved adapter is an ordinary PEFT adapter: it loads
-onto an unquantized base with plain ``PeftModel.from_pretrained`` as well.
-
-``target_modules="all-linear"``: PEFT 0.21 expands it to the ``nn.Linear`` / ``Conv1D`` modules only
-(``_maybe_include_all_linear_layers``), which misses ``QuantLinear``; :func:`quant_lora_config` expands it itself, the
-same way (every linear layer but the output embedding), when given the model.
+:func:`quant_lora_config` and :func:`load_quant_lora` are the older spelling of the same (a ``LoraConfig`` with
+PEFT's custom-module mapping registered, and a loader that registers it again); they still work and give the same
+layers, and are kept for code written against them.
 """
 from __future__ import annotations
 

@@ -107,8 +107,8 @@ def refuse_quantized_without_adapters(model: nn.Module, who: str) -> None:
     if packed is not None:
         raise ValueError(f"{who}: the model's linear layers are packed (QuantLinear, e.g. {packed}): a frozen base that "
                          "cannot train, and the model has no PEFT adapters, so only its embeddings and norms would. "
-                         "Add LoRA first: peft.get_peft_model(model, "
-                         "trainstream_hf.integrations.peft.quant_lora_config(model, r=16))")
+                         "Add LoRA first: peft.get_peft_model(model, peft.LoraConfig(r=16, "
+                         "target_modules='all-linear'))")
 
 
 class TrainStreamCallback(TrainerCallback):

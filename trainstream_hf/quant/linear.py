@@ -25,8 +25,10 @@ def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     Conv1D stores its weight transposed, (in, out); the returned weight is a transposed view (no copy).
 
     Raises:
-        TypeError: any other module.
+        TypeError: any other module, and a :class:`QuantLinear` (an ``nn.Linear`` without a dense weight).
     """
+    if isinstance(module, QuantLinear):  # an nn.Linear whose weight is packed: nothing dense to return
+        raise TypeError("expected a dense nn.Linear or transformers' Conv1D, got a QuantLinear (already quantized)")
     if isinstance(module, nn.Linear):
         return module.weight, module.bias
     if _is_conv1d(module):
@@ -80,7 +82,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         return (dx, None, None, None, None, None, None) + (None,) * len(fmt.tensor_names)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(nn.Linear):
     """A frozen linear layer, ``y = x W^T + b``, whose weight is held packed in a :class:`QuantFormat`.
 
     Storage: the packed tensors of the :class:`QuantizedTensor` are frozen ``nn.Parameter`` s named ``weight_<name>``
@@ -129,9 +131,14 @@ class QuantLinear(nn.Module):
     off inside, as ``torch.amp.custom_fwd(cast_inputs=...)`` does (which cannot be used here: it fixes one device
     type at decoration time); ``y`` is in the autocast dtype, as ``nn.Linear``'s would be.
 
-    Introspection for PEFT and transformers: ``in_features``, ``out_features``, ``weight`` (``.shape`` (out, in),
-    ``.device``, ``.dtype`` the logical dtype), ``bias``. PEFT's LoRA does not wrap it out of the box (its default
-    dispatch wants an ``nn.Linear``); :func:`trainstream_hf.quant.lora.register_quant_lora` registers it.
+    An ``nn.Linear`` to the libraries that look for one, as bitsandbytes' ``Linear4bit`` is: ``isinstance(layer,
+    nn.Linear)`` holds, so PEFT's ``target_modules="all-linear"`` selects it and PEFT's default LoRA dispatch wraps
+    it; it runs ``nn.Module.__init__``, not ``nn.Linear``'s, so it never holds a dense weight. What they read:
+    ``in_features``, ``out_features``, ``weight`` (``.shape`` (out, in), ``.device``, ``.dtype`` the logical dtype),
+    ``bias``. A PEFT LoRA layer that takes one as its base becomes a
+    :class:`~trainstream_hf.quant.lora.QuantLoraLinear` (:func:`_lora_follows_its_base`). Code that would rewrite
+    a dense ``nn.Linear`` weight (``reset_parameters``, transformers' ``_init_weights``) is refused or skipped: the
+    packed weight is frozen.
 
     Args:
         weight: the quantized (out_features, in_features) weight.
@@ -146,9 +153,14 @@ class QuantLinear(nn.Module):
             that name switches it later (False also frees the copy at the next call).
     """
 
+    # transformers (5.24, 5.25) runs _init_weights over every module of a model whose _is_hf_initialized flag is unset
+    # (initialize_weights); as an nn.Linear this layer would get init.normal_(weight), which a packed weight cannot
+    # take. It holds its weights by construction.
+    _is_hf_initialized = True
+
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None, *, act_quant: bool | None = None,
                  outliers: float = 0.0, fp8_transpose_cache: bool = True) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate and initialise a dense weight
         if not isinstance(weight, QuantizedTensor):
             raise TypeError(f"QuantLinear: weight must be a QuantizedTensor (trainstream_hf.quant.quantize), got "
                             f"{type(weight).__name__}; use QuantLinear.from_linear for an nn.Linear")
@@ -225,6 +237,10 @@ class QuantLinear(nn.Module):
     def weight(self, value) -> None:
         raise AttributeError("QuantLinear.weight is a frozen quantized weight and cannot be assigned; build a new "
                              "layer with QuantLinear(quantize(w, fmt), bias) or QuantLinear.from_linear")
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError("QuantLinear: the packed weight is frozen and cannot be re-initialised; build a new "
+                                  "layer with QuantLinear.from_linear from an initialised nn.Linear")
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new (out_features, in_features) tensor of the decoded weight in ``dtype`` (default ``weight.dtype``)."""
@@ -392,3 +408,24 @@ class QuantLinear(nn.Module):
         cache = f", fp8_transpose_cache={self.fp8_transpose_cache}" if self.fmt.name == "fp8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fmt={self.fmt.name}, act_quant={self.act_quant}{default}, outliers={self.outliers}{cache}")
+
+
+def _lora_follows_its_base(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """Keeps PEFT's LoRA ``Linear`` a :class:`~trainstream_hf.quant.lora.QuantLoraLinear` exactly while its
+    ``base_layer`` is a :class:`QuantLinear` (:func:`~trainstream_hf.quant.lora.follow_base`).
+
+    A global module-registration hook (torch's public
+    ``torch.nn.modules.module.register_module_module_registration_hook``): ``nn.Module.__setattr__`` and
+    ``add_module`` call it before storing any child module, so it costs one string comparison per registration. Installed here, with the class, so that it is in place wherever a
+    QuantLinear exists however it was imported, without importing peft (seconds) at ``import trainstream_hf``: the
+    LoRA module is imported only when a PEFT layer (peft already imported) takes a QuantLinear.
+    """
+    if name == "base_layer" and (
+            isinstance(child, QuantLinear) and type(parent).__module__ == "peft.tuners.lora.layer"
+            or type(parent).__module__ == "trainstream_hf.quant.lora"):
+        from trainstream_hf.quant.lora import follow_base
+
+        follow_base(parent, child)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_lora_follows_its_base)

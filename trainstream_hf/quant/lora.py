@@ -1,15 +1,19 @@
-"""LoRA over :class:`~trainstream_hf.quant.linear.QuantLinear` through PEFT's custom-module dispatch (peft 0.21).
+"""LoRA over :class:`~trainstream_hf.quant.linear.QuantLinear` with PEFT's standard calls (peft 0.21).
 
-PEFT's LoRA does not wrap a ``QuantLinear`` out of the box: its default dispatcher
-(``peft.tuners.lora.layer.dispatch_default``) wants an ``nn.Linear`` (or ``Conv1D``, ``Embedding``, ...), and
-``QuantLinear`` is deliberately not one (its weight is not a tensor that ``F.linear`` or weight-init code could use),
-so ``get_peft_model`` raises "Target module ... is not supported". PEFT's public extension point for this is
-``LoraConfig._register_custom_module({layer type: LoRA layer type})`` (experimental, documented in PEFT's "Custom
-models" guide); :func:`register_quant_lora` registers :class:`QuantLoraLinear` for ``QuantLinear``::
+A ``QuantLinear`` is an ``nn.Linear`` subclass without a dense weight (as bitsandbytes' ``Linear4bit`` is), so PEFT
+treats it as a linear layer: ``target_modules="all-linear"`` selects it (``_maybe_include_all_linear_layers``) and
+PEFT's default dispatcher (``peft.tuners.lora.layer.dispatch_default``) wraps it in its LoRA ``Linear``. That layer
+then becomes a :class:`QuantLoraLinear` as it takes the ``QuantLinear`` as its ``base_layer`` (before any adapter is
+made: :func:`follow_base`, run by a torch module-registration hook installed with ``QuantLinear``). Nothing is
+registered on the ``LoraConfig``, so the same holds for every route into PEFT's dispatch, saved adapters included::
 
-    model = quantize_model(model, "nf4")
-    config = register_quant_lora(LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
-    model = get_peft_model(model, config)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=TrainStreamQuantizationConfig("nf4"))
+    model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
+    model.save_pretrained(adapter_dir)
+    model = PeftModel.from_pretrained(quantized_base, adapter_dir)   # or AutoPeftModelForCausalLM.from_pretrained
+
+:func:`register_quant_lora` (PEFT's custom-module dispatch, ``LoraConfig._register_custom_module``) gives the same
+layer and is no longer needed.
 
 :class:`QuantLoraLinear` is PEFT's own ``lora.Linear`` (``y = base(x) + B(A(dropout(x))) * scaling``) with what a
 packed base needs, and native forwards for the common case (one active vanilla adapter, dropout off, no hooks on the
@@ -25,10 +29,17 @@ and ~14 ops per adapter made that step host-bound on the H200):
   adapter's term as one C++ node with PEFT's numbers, bit for bit in the dtype regimes tested (tests/quant/test_lora.py,
   tests/gpu/test_lora_cuda.py).
 
-Anything else takes PEFT's forward. In/out features are read from the layer (PEFT's generic lookup would warn
-"Unsupported layer type"), ``fan_in_fan_out`` is forced off (a Conv1D quantized by ``quantize_model`` is in nn.Linear
-layout); LoRA variants (DoRA & co.) and initialisations that decompose the base weight (PiSSA, OLoRA, LoftQ, ...) need
-the dense weight and raise.
+Anything else takes PEFT's forward. ``fan_in_fan_out`` is forced off (a Conv1D quantized by ``quantize_model`` is in
+nn.Linear layout); LoRA variants (DoRA & co.) and initialisations that decompose the base weight (PiSSA, OLoRA, LoftQ,
+...) need the dense weight and raise, for every adapter added (the checks are in :meth:`QuantLoraLinear.update_layer`).
+
+The switch of class: PEFT's ``lora.Linear.__init__`` stores ``base_layer`` first, then reads the features and makes
+the adapters (``update_layer``); the switch happens at that store, so those steps already run as this class's.
+``QuantLoraLinear`` adds methods only, no state of its own, so an instance made either way (switched, or built by
+the custom-module dispatch) is the same object. The rule is: PEFT's exact ``lora.Linear`` (not its bitsandbytes,
+torchao, ... subclasses) is a ``QuantLoraLinear`` exactly while its base is a ``QuantLinear``. So packing the base of
+an existing PEFT model (``quantize_frozen_base``, ``wrap(quantize=...)``) gives ``QuantLoraLinear`` layers too, and
+putting the dense layer back (``wrap`` does when it fails after packing) gives PEFT's ``lora.Linear`` again.
 
 Merging: ``merge_and_unload()`` replaces each ``QuantLoraLinear`` by a plain ``nn.Linear`` holding the dequantized
 base weight plus the LoRA delta (``unload_and_optionally_merge_module``, the per-layer hook PEFT's unload loop calls),
@@ -56,7 +67,7 @@ from peft.tuners.lora.layer import Linear as _LoraLinear
 from trainstream_hf import ops
 from trainstream_hf.quant.linear import QuantLinear
 
-__all__ = ["QuantLoraLinear", "register_quant_lora"]
+__all__ = ["QuantLoraLinear", "follow_base", "register_quant_lora"]
 
 
 # init_lora_weights values that do not read the dense base weight (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA, MiCA do: they
@@ -65,9 +76,14 @@ _SUPPORTED_INITS = (True, False, "gaussian", "orthogonal")
 
 
 class QuantLoraLinear(_LoraLinear):
-    """PEFT LoRA layer over a frozen :class:`QuantLinear` base."""
+    """PEFT LoRA layer over a frozen :class:`QuantLinear` base (see the module)."""
 
-    def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs) -> None:
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: LoraConfig, **kwargs) -> None:
+        """PEFT's ``update_layer`` (makes the adapter ``adapter_name``), after refusing what a packed base cannot do.
+
+        Raises:
+            NotImplementedError: an ``init_lora_weights`` that reads the dense base weight.
+        """
         init = config.init_lora_weights
         if not any(init is v or (isinstance(v, str) and init == v) for v in _SUPPORTED_INITS):
             raise NotImplementedError(f"QuantLoraLinear: init_lora_weights={init!r} reads the dense base weight, which "
@@ -76,7 +92,8 @@ class QuantLoraLinear(_LoraLinear):
             warnings.warn("fan_in_fan_out is set but the target is a QuantLinear (nn.Linear layout, also for a "
                           "quantized Conv1D); setting fan_in_fan_out to False.", stacklevel=2)
             config.fan_in_fan_out = False
-        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.fan_in_fan_out = False
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
     def forward(self, x, *args, **kwargs):
         # The common case -- one active vanilla adapter, dropout off, not merged nor disabled, no per-call adapter
@@ -153,11 +170,13 @@ class QuantLoraLinear(_LoraLinear):
         if not merge:
             return self.get_base_layer()
         quant, dense = self.base_layer, self.dequantized_base()
-        self.base_layer = dense  # PEFT's own merge arithmetic, on the dense copy
+        # PEFT's own merge arithmetic, on the dense copy. Stored in _modules directly: through setattr the
+        # registration hook would make this layer a plain lora.Linear for the time being (follow_base).
+        self._modules["base_layer"] = dense
         try:
             super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
         finally:
-            self.base_layer = quant
+            self._modules["base_layer"] = quant
             self.merged_adapters = []
         return dense
 
@@ -175,8 +194,24 @@ def _hooked(m: nn.Module) -> bool:
                 or _global_forward_hooks or _global_forward_pre_hooks or hasattr(m, "_hf_hook"))
 
 
+def follow_base(layer: nn.Module, base: nn.Module | None) -> None:
+    """Gives ``layer`` the class its new ``base_layer`` calls for: PEFT's exact ``lora.Linear`` (peft 0.21) taking a
+    :class:`QuantLinear` becomes a :class:`QuantLoraLinear`; a ``QuantLoraLinear`` taking anything else becomes PEFT's
+    ``lora.Linear`` again. Called by the module-registration hook of :mod:`trainstream_hf.quant.linear` before the
+    base is stored; PEFT's subclasses of ``lora.Linear`` (bitsandbytes, torchao, ... layers) are left as they are.
+    """
+    quant = isinstance(base, QuantLinear)
+    if quant and type(layer) is _LoraLinear:
+        layer.__class__ = QuantLoraLinear
+    elif not quant and type(layer) is QuantLoraLinear:
+        layer.__class__ = _LoraLinear
+
+
 def register_quant_lora(config: LoraConfig) -> LoraConfig:
     """Registers :class:`QuantLoraLinear` as the LoRA layer for :class:`QuantLinear` targets in ``config``.
+
+    Optional: PEFT's default dispatch gives a ``QuantLinear`` target the same layer (see the module); kept for code
+    written before that.
 
     Args:
         config: the ``peft.LoraConfig`` to pass to ``get_peft_model``; modified in place.
