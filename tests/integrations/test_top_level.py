@@ -105,3 +105,31 @@ def test_reporting_callbacks_before_ours_see_the_figures(tmp_path):
     trainer.train()
     steps = [log for log in recorder.logs if "loss" in log]
     assert len(steps) == 2 and all("trainstream/h2d_GBps" in log for log in steps)
+
+
+def test_tensorboard_event_file_holds_the_engine_figures(tmp_path, monkeypatch):
+    """With report_to=["tensorboard"] (transformers' own TensorBoardCallback and writer), the event file holds the
+    engine's per-step figures beside the loss."""
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))  # (transformers >= 5.2x: no logging_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 100, (4, 16))]
+    trainer = Trainer(model=model, train_dataset=rows, args=TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=["tensorboard"],
+        use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1),
+        callbacks=[trainstream_hf.TrainStreamCallback(vram_budget="64GiB")])
+    trainer.train()
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    # (trainstream/peak_allocated_GiB and peak_reserved_GiB come from CUDA's allocator: not on the CPU)
+    for name in ("loss", "trainstream/h2d_GBps", "trainstream/predicted_peak_GiB", "trainstream/step_seconds",
+                 "trainstream/python_gc_seconds"):
+        assert f"train/{name}" in tags, [t for t in sorted(tags) if "trainstream" in t]
+        assert [e.step for e in events.Scalars(f"train/{name}")] == [1, 2]
