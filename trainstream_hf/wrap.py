@@ -227,7 +227,8 @@ class Engine:
 
 
 def _checkpointed_forward(layer: nn.Module, inner, checkpoint, *args, **kwargs):
-    if not (layer.training and torch.is_grad_enabled()):
+    # Not twice: with the user's gradient checkpointing on, transformers checkpoints this layer itself.
+    if not (layer.training and torch.is_grad_enabled()) or getattr(layer, "gradient_checkpointing", False):
         return inner(*args, **kwargs)
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
