@@ -62,7 +62,7 @@ def test_from_pretrained_quantizes_on_load_bit_identical_to_quantize_model(llama
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_lora_trains_on_the_loaded_model_and_saving_it_is_refused(llama_dir, tmp_path):
+def test_lora_trains_on_the_loaded_model_and_the_adapters_save(llama_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32,
                                                  quantization_config=TrainStreamQuantizationConfig(quantize="nf4"))
     model = get_peft_model(model, quant_lora_config(model, r=4, target_modules="all-linear"))
@@ -79,8 +79,8 @@ def test_lora_trains_on_the_loaded_model_and_saving_it_is_refused(llama_dir, tmp
         opt.zero_grad()
         losses.append(float(loss))
     assert losses[-1] < losses[0]
-    with pytest.raises(ValueError, match="save_pretrained cannot write this model: .* Save what was trained instead"):
-        model.base_model.model.save_pretrained(tmp_path / "packed")
+    model.save_pretrained(tmp_path / "adapters")
+    assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
 
 
 def test_gpt2_conv1d_biases_and_tied_head(tmp_path):
@@ -129,7 +129,9 @@ def test_bad_options_and_widths_are_errors(tmp_path):
     with pytest.raises(ValueError, match="multiple of 64"):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TrainStreamQuantizationConfig("nf4"))
     cfg = TrainStreamQuantizationConfig.from_dict(TrainStreamQuantizationConfig("fp8", outliers=0.01).to_dict())
-    assert (cfg.quantize, cfg.outliers, cfg.skip) == ("fp8", 0.01, ["lm_head"])
+    assert (cfg.quantize, cfg.outliers, cfg.skip, cfg.modules) == ("fp8", 0.01, ["lm_head"], None)
+    cfg = TrainStreamQuantizationConfig.from_dict(TrainStreamQuantizationConfig("nf4", modules=["a.b"]).to_dict())
+    assert cfg.modules == ["a.b"]
 
 
 def test_packed_layers_are_nn_linear_that_nothing_re_initialises_or_re_quantizes(llama_dir):

@@ -183,7 +183,7 @@ def test_quantized_model_without_adapters_is_refused(tmp_path, trainstream):
     args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream=trainstream, max_steps=1,
                                         per_device_train_batch_size=2, report_to="none", use_cpu=True,
                                         save_strategy="no")
-    with pytest.raises(ValueError, match=r"packed \(QuantLinear.*no PEFT adapters.*quant_lora_config"):
+    with pytest.raises(ValueError, match=r"packed \(QuantLinear.*no PEFT adapters.*get_peft_model\(model, peft.LoraConfig"):
         TrainStreamTrainer(model=model, args=args, train_dataset=[])
     with pytest.raises(ValueError, match=r"TrainStreamCallback: the model's linear layers are packed"):
         TrainStreamCallback(vram_budget="64GiB").install(args, model, torch.optim.AdamW(

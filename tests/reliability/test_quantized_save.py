@@ -1,24 +1,18 @@
-"""save_pretrained of a model loaded with TrainStreamQuantizationConfig: refused with one line that says why and what to
-save instead (transformers' own refusal points at logged warnings that nobody logged), nothing written. The adapters
-still save through PEFT, and a model given adapters through transformers' PEFT integration is not refused."""
+"""save_pretrained of a model loaded with TrainStreamQuantizationConfig writes a checkpoint that loads back, and loses
+nothing on the way: the saved model is unchanged and still quantized, a copy saves the same bytes, and a save that
+cannot be loaded back (packed layers still wrapped in PEFT LoRA layers) is refused with what to do, no file written.
+The adapters still save through PEFT."""
 import copy
-import logging
-import re
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from trainstream_hf.integrations.huggingface import NOT_SERIALIZABLE, TrainStreamQuantizationConfig
+from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig
+from trainstream_hf.quant import QuantLinear
 
 peft = pytest.importorskip("peft")
-from peft import get_peft_model  # noqa: E402
-
-from trainstream_hf.integrations.peft import quant_lora_config  # noqa: E402
-
-REASON = (r"^trainstream: save_pretrained cannot write this model: its linear layers are packed \(nf4\) in "
-          r"trainstream_hf's own layout")
-TO_DO = r"Save what was trained instead: the adapters \(peft_model.save_pretrained\(dir\)"
+from peft import LoraConfig, get_peft_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,46 +31,45 @@ def load(path):
                                                 quantization_config=TrainStreamQuantizationConfig(quantize="nf4"))
 
 
-def test_save_pretrained_says_why_and_what_to_do_and_writes_nothing(llama_dir, tmp_path):
+def _ids():
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _files(path):
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def test_save_pretrained_writes_a_checkpoint_and_leaves_the_model_as_it_was(llama_dir, tmp_path):
     model = load(llama_dir)
-    out = tmp_path / "packed"
-    with pytest.raises(ValueError, match=REASON) as info:
-        model.save_pretrained(out)
-    message = str(info.value)
-    assert "\n" not in message and "check out the warnings" not in message
-    assert re.search(TO_DO, message) and "merge_and_unload()" in message
-    assert message == NOT_SERIALIZABLE.format(fmt="nf4")
-    assert not out.exists()
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "packed")
+    assert {"config.json", "model.safetensors"} <= set(_files(tmp_path / "packed"))
+    assert model.is_quantized and sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
+    after = model.state_dict()
+    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items() if v.dim())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before) and torch.equal(reloaded(ids).logits, before)
 
 
-def test_the_base_of_a_peft_model_is_refused_the_adapters_save(llama_dir, tmp_path):
-    base = load(llama_dir)
-    model = get_peft_model(base, quant_lora_config(base, r=4, target_modules="all-linear"))
-    with pytest.raises(ValueError, match=REASON):
-        model.base_model.model.save_pretrained(tmp_path / "packed")
+def test_a_copy_saves_the_same_bytes(llama_dir, tmp_path):
+    model = load(llama_dir)
+    model.save_pretrained(tmp_path / "a")
+    copy.deepcopy(model).save_pretrained(tmp_path / "b")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_the_wrapped_base_of_a_peft_model_is_refused_the_adapters_and_the_merge_save(llama_dir, tmp_path):
+    model = get_peft_model(load(llama_dir), LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=r"packed layers are wrapped in PEFT LoRA layers .* peft_model.save_pretrained"
+                                         r"\(dir\), or merge them first"):
+        model.base_model.model.save_pretrained(tmp_path / "wrapped")
+    assert _files(tmp_path / "wrapped") == []
     model.save_pretrained(tmp_path / "adapters")
     assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
-    assert not (tmp_path / "packed").exists()
-
-
-def test_adapters_added_through_transformers_are_not_refused(llama_dir):
-    """transformers' PEFT integration (model.add_adapter) marks the model and save_pretrained then writes only the
-    adapters: the quantizer answers False without raising, and transformers' refusal is skipped. (The flag is set by
-    hand: transformers 5.25's add_adapter needs PEFT >= 0.22, newer than the one this environment pins.)"""
-    model = load(llama_dir)
-    with pytest.raises(ValueError, match=REASON):
-        model.hf_quantizer.is_serializable()
-    model._hf_peft_config_loaded = True
-    assert model.hf_quantizer.is_serializable() is False
-
-
-def test_a_copy_gets_the_reason_in_the_log_transformers_points_to(llama_dir, tmp_path, caplog):
-    """A deep copy's quantizer is a copy too (it no longer knows its model): transformers refuses, and the reason is
-    in the log its message points to."""
-    model = copy.deepcopy(load(llama_dir))
-    with caplog.at_level(logging.WARNING, logger="trainstream_hf"):
-        with pytest.raises(ValueError, match="check out the warnings from the logger"):
-            model.save_pretrained(tmp_path / "packed")
-    logged = [r.getMessage() for r in caplog.records if r.name == "trainstream_hf"]
-    assert logged == [NOT_SERIALIZABLE.format(fmt="nf4")]
-    assert not (tmp_path / "packed").exists()
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    assert "model.safetensors" in _files(tmp_path / "merged")

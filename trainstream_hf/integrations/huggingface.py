@@ -13,7 +13,9 @@ Extension points (public in transformers 5.24, present in the 5.x line this pack
 ``_process_model_before_weight_loading``, ``param_needs_quantization`` / ``get_quantize_ops`` (the 5.x weight-loading
 hook: ``core_model_loading.convert_and_load_state_dict_in_model`` attaches ``get_quantize_ops()`` to each checkpoint
 tensor for which ``param_needs_quantization`` is true and calls its ``convert`` right after the tensor is read) and
-``_process_model_after_weight_loading``. Only the 5.24 signatures were run here; 5.17 is not installed on this machine.
+``_process_model_after_weight_loading``; for checkpoints ``is_serializable``, ``get_state_dict_and_metadata`` (called by
+``save_pretrained`` before it writes config.json), ``pre_quantized`` and ``_dequantize`` (behind
+``PreTrainedModel.dequantize``). Only the 5.24 / 5.25 signatures were run here; 5.17 is not installed on this machine.
 
 How a weight is loaded, layer by layer:
 
@@ -30,10 +32,30 @@ How a weight is loaded, layer by layer:
 
 The packed weights are bit-identical to ``quantize_model`` applied to the same model loaded in the same dtype.
 The weights go where ``device_map`` puts them; placing them in the engine's host arena is ``wrap``'s job afterwards
-(not done at load time yet). ``save_pretrained`` of a model loaded this way is refused with an error that says what to
-do (:data:`NOT_SERIALIZABLE`): the packed layout is this package's own; save the adapters (PEFT) or the original
-checkpoint. Adapters added through transformers' own PEFT integration (``model.add_adapter``) are saved as usual.
-Checkpoints saved with a ``quantization_config`` of this kind are not loadable as pre-quantized either.
+(not done at load time yet).
+
+Quantized checkpoints (transformers' pre-quantized loading, as for fbgemm-fp8 or bitsandbytes):
+
+* ``save_pretrained`` writes each packed layer's tensors as they are held, ``<layer>.weight_data``,
+  ``<layer>.weight_scale``, ... (:class:`~trainstream_hf.quant.QuantLinear`'s parameters, the table in
+  :mod:`trainstream_hf.quant.formats`), in safetensors, and ``quantization_config`` in config.json with ``modules``,
+  the names of the layers that are packed at that moment (:meth:`TrainStreamHfQuantizer.get_state_dict_and_metadata`).
+* ``from_pretrained(dir)`` reads that config (import this module first, or ``trainstream_hf``'s
+  ``TrainStreamQuantizationConfig``, so that ``"trainstream"`` is registered): before loading, each listed layer
+  becomes an empty :class:`LoadedQuantLinear` of the format's shapes and dtypes
+  (:func:`~trainstream_hf.quant.formats.packed_layout`) and transformers reads the packed tensors into it as plain
+  parameters. Nothing is quantized again: the model is bit for bit the one saved.
+* ``model.dequantize()`` (transformers' ``HfQuantizer.dequantize`` through :meth:`TrainStreamHfQuantizer._dequantize`)
+  puts a dense ``nn.Linear`` (GPT-2: ``Conv1D``) in every packed layer's place, its weight
+  :meth:`~trainstream_hf.quant.QuantLinear.dequantize_weight` in the model's dtype, and drops ``quantization_config``:
+  ``save_pretrained`` then writes a plain checkpoint.
+* PEFT's ``merge_and_unload()`` leaves dense layers where it merged. When no packed layer is left, ``save_pretrained``
+  drops ``quantization_config`` itself (the model is no longer quantized) and writes a plain checkpoint that stock
+  transformers loads; when some are left, ``modules`` lists only those, and the merged ones are saved dense.
+* Refused with what to do (``ValueError`` from ``save_pretrained``; config.json and the weights are not written):
+  packed layers still wrapped in PEFT LoRA layers (``get_peft_model``; save the adapters, or merge first), and a
+  layer packed by hand in another format than the config's. Not checked: a checkpoint that lacks some packed tensors
+  (transformers reports them missing, as for any checkpoint, and leaves them uninitialised).
 
 What PEFT and TRL see (:data:`KBIT_FLAG`): transformers sets ``is_quantized``, ``quantization_method`` ("trainstream")
 and ``hf_quantizer`` on every quantized model; PEFT's ``prepare_model_for_kbit_training`` and TRL's QLoRA branches
@@ -48,7 +70,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -59,12 +80,12 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.quant import outliers as _outliers
-from trainstream_hf.quant.formats import FORMATS, get_format, quantize
+from trainstream_hf.quant.formats import FORMATS, QuantizedTensor, get_format, packed_layout, quantize
 from trainstream_hf.quant.linear import QuantLinear, _is_conv1d
 from trainstream_hf.quant.model import _is_target, _skipped
 
 __all__ = ["TrainStreamQuantizationConfig", "TrainStreamHfQuantizer", "LoadedQuantLinear", "QUANT_METHOD",
-           "NOT_SERIALIZABLE", "KBIT_FLAG"]
+           "KBIT_FLAG"]
 
 QUANT_METHOD = "trainstream"
 
@@ -74,13 +95,6 @@ QUANT_METHOD = "trainstream"
 # set, and Trainer calls it at every step (floating_point_ops), so without bitsandbytes installed a 4-bit flag would
 # break training; the other readers do the same for either name where the layers are not bitsandbytes'.
 KBIT_FLAG = "is_loaded_in_8bit"
-
-NOT_SERIALIZABLE = (
-    "trainstream: save_pretrained cannot write this model: its linear layers are packed ({fmt}) in trainstream_hf's "
-    "own layout, which no checkpoint format holds. Save what was trained instead: the adapters "
-    "(peft_model.save_pretrained(dir), or save_pretrained on a model given adapters with model.add_adapter(...)); for "
-    "full weights, load the original checkpoint without quantization_config, apply the adapters "
-    "(PeftModel.from_pretrained(model, dir).merge_and_unload()) and save that")
 
 logger = logging.getLogger("trainstream_hf")
 
@@ -94,10 +108,14 @@ class TrainStreamQuantizationConfig(QuantizationConfigMixin):
         act_quant: quantize activations on the fly (fp8 / nvfp4 only); default per format (see QuantLinear).
         skip: module names left unquantized; an entry matches a module whose name equals it or ends with
             ``"." + entry``. Default ``["lm_head"]``.
+        modules: the full names of the packed layers, written by ``save_pretrained`` into a checkpoint's config and
+            read back when that checkpoint is loaded (it then decides which layers are packed, not ``skip``). Leave
+            it None when quantizing on load.
     """
 
     def __init__(self, quantize: str = "nf4", outliers: float = 0.0, act_quant: bool | None = None,
-                 skip: list[str] | tuple[str, ...] | str | None = ("lm_head",), **kwargs: Any) -> None:
+                 skip: list[str] | tuple[str, ...] | str | None = ("lm_head",), modules: list[str] | None = None,
+                 **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD
         if quantize not in FORMATS:
             raise ValueError(f"TrainStreamQuantizationConfig: quantize={quantize!r}; choose one of "
@@ -106,9 +124,10 @@ class TrainStreamQuantizationConfig(QuantizationConfigMixin):
         self.outliers = _outliers.check_outliers(outliers)
         self.act_quant = act_quant
         self.skip = [skip] if isinstance(skip, str) else list(skip or ())
+        self.modules = None if modules is None else list(modules)
         if kwargs:
             raise ValueError(f"TrainStreamQuantizationConfig: unknown options {sorted(kwargs)}; the options are "
-                             f"quantize, outliers, act_quant, skip")
+                             f"quantize, outliers, act_quant, skip (and modules, which save_pretrained writes)")
 
     @classmethod
     def from_trainstream_config(cls, config: TrainStreamConfig, **kwargs: Any) -> TrainStreamQuantizationConfig:
@@ -118,8 +137,11 @@ class TrainStreamQuantizationConfig(QuantizationConfigMixin):
         return cls(quantize=config.quantize, outliers=config.outliers, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": self.quant_method, "quantize": self.quantize, "outliers": self.outliers,
-                "act_quant": self.act_quant, "skip": list(self.skip)}
+        d = {"quant_method": self.quant_method, "quantize": self.quantize, "outliers": self.outliers,
+             "act_quant": self.act_quant, "skip": list(self.skip)}
+        if self.modules is not None:
+            d["modules"] = list(self.modules)
+        return d
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
@@ -169,7 +191,8 @@ class _QuantizeOnLoad(ConversionOps):
 
 
 class TrainStreamHfQuantizer(HfQuantizer):
-    """Packs each target linear layer's weight into a QuantLinear as ``from_pretrained`` reads it (see the module)."""
+    """Packs each target linear layer's weight into a QuantLinear as ``from_pretrained`` reads it, or reads a packed
+    checkpoint as it was saved (``pre_quantized``); saves and dequantizes (see the module)."""
 
     requires_calibration = False
     quantization_config: TrainStreamQuantizationConfig
@@ -177,17 +200,22 @@ class TrainStreamHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: TrainStreamQuantizationConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self.targets: set[str] = set()
-
-    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
-        if self.pre_quantized:
-            raise ValueError("trainstream: this checkpoint's config already has a trainstream quantization_config, "
-                             "but packed checkpoints are not a format this package saves or loads; load the original "
-                             "bf16 / fp16 checkpoint with quantization_config=TrainStreamQuantizationConfig(...)")
+        self.conv1d: set[str] = set()  # targets that were transformers Conv1D ((in, out) weight): dequantize rebuilds one
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
-        self._model = weakref.ref(model)  # for is_serializable: whether save_pretrained writes adapters only
         q = self.quantization_config
         fmt = get_format(q.quantize)
+        if self.pre_quantized and q.modules is not None:
+            self._pick_saved(model, q.modules)
+        else:
+            self._pick(model, fmt)
+        if self.pre_quantized:
+            for name in sorted(self.targets):
+                self._swap_empty(model, name, fmt)
+
+    def _pick(self, model: nn.Module, fmt) -> None:
+        """The layers quantize_model would pick: nn.Linear and Conv1D, not skip-ped, not tied to the embeddings."""
+        q = self.quantization_config
         skip = tuple(q.skip) + tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -200,12 +228,50 @@ class TrainStreamHfQuantizer(HfQuantizer):
             if in_features % fmt.in_features_multiple:
                 bad.append(f"{name} (in_features={in_features})")
             self.targets.add(name)
+            if _is_conv1d(m):
+                self.conv1d.add(name)
         if bad:
             raise ValueError(f"trainstream: {fmt.name} needs in_features to be a multiple of "
                              f"{fmt.in_features_multiple}; these layers are not: {', '.join(bad)}. Add them to "
                              f"TrainStreamQuantizationConfig(skip=...), or use int8 or fp8 (any width).")
 
+    def _pick_saved(self, model: nn.Module, names: list[str]) -> None:
+        """The layers a checkpoint's config lists as packed; each must be a linear layer of this model."""
+        wrong = []
+        for name in names:
+            try:
+                m = model.get_submodule(name)
+            except AttributeError:
+                m = None
+            if m is None or not _is_target(m):
+                wrong.append(name)
+                continue
+            self.targets.add(name)
+            if _is_conv1d(m):
+                self.conv1d.add(name)
+        if wrong:
+            raise ValueError(f"trainstream: the checkpoint's quantization_config lists packed layers that are not "
+                             f"linear layers of {type(model).__name__}: {', '.join(wrong[:4])}"
+                             f"{' ...' if len(wrong) > 4 else ''}; was it saved from another architecture?")
+
+    def _swap_empty(self, model: nn.Module, module_name: str, fmt) -> None:
+        """Puts an empty LoadedQuantLinear (on the skeleton's device, meta) in a target's place, for transformers to
+        read the checkpoint's packed tensors into: its parameters are the checkpoint's ``<layer>.weight_<name>``."""
+        old = model.get_submodule(module_name)
+        if isinstance(old, QuantLinear):  # a module reachable under two names, already converted
+            return
+        conv = _is_conv1d(old)
+        shape = (old.weight.shape[1], old.weight.shape[0]) if conv else (old.out_features, old.in_features)
+        device = old.weight.device
+        tensors = {n: torch.empty(s, dtype=dt, device=device) for n, (s, dt) in packed_layout(fmt, shape).items()}
+        q = self.quantization_config
+        packed = QuantizedTensor(fmt, shape, tensors, old.weight.dtype)
+        self._replace(model, module_name,
+                      LoadedQuantLinear(packed, old.bias, act_quant=q.act_quant, outliers=q.outliers))
+
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        if self.pre_quantized:
+            return False  # read as saved
         module_name, _, tensor_name = param_name.rpartition(".")
         return tensor_name == "weight" and module_name in self.targets
 
@@ -224,6 +290,10 @@ class TrainStreamHfQuantizer(HfQuantizer):
         for p in new.parameters(recurse=False):
             if not p.is_meta:  # a bias still to load gets its flag when transformers assigns it
                 p._is_hf_initialized = True
+        self._replace(model, module_name, new)
+
+    @staticmethod
+    def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
 
@@ -234,6 +304,18 @@ class TrainStreamHfQuantizer(HfQuantizer):
                           f"initialised: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''}", stacklevel=2)
             for name in left:
                 self._swap(model, name, model.get_submodule(name).weight)
+        if self.pre_quantized:
+            for name in self.targets:
+                layer = model.get_submodule(name)
+                want = packed_layout(layer.fmt, (layer.out_features, layer.in_features))
+                got = {n: getattr(layer, "weight_" + n).dtype for n in want}
+                if got != {n: dt for n, (_, dt) in want.items()}:
+                    # transformers 5.25 keeps a pre-quantized tensor in the empty parameter's dtype; a loader that
+                    # cast it to the model's dtype would have changed its bits
+                    raise ValueError(f"trainstream: {name}'s packed tensors were loaded as {got}, not in the "
+                                     f"checkpoint's dtypes; this transformers version casts pre-quantized tensors")
+                for p in layer.parameters(recurse=False):  # transformers assigned them trainable: frozen, as built
+                    p.requires_grad_(False)
         setattr(model, KBIT_FLAG, True)  # the module docstring: what PEFT and TRL see
         return model
 
@@ -244,25 +326,74 @@ class TrainStreamHfQuantizer(HfQuantizer):
             delattr(model, KBIT_FLAG)
 
     def is_serializable(self, **kwargs: Any) -> bool:
-        """Never: the packed layout is this package's own. transformers (5.24, 5.25) asks only from ``save_pretrained``,
-        which then refuses with "check out the warnings from the logger"; this raises the reason and what to do
-        instead.
+        """Always: the packed tensors are plain tensors, saved as they are (the module docstring)."""
+        return True
 
-        A model given adapters through transformers' PEFT integration (``add_adapter``) saves only them: no error
-        then. A model this quantizer no longer belongs to (a copy) gets the reason as a logged warning, before
-        transformers' refusal.
+    def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict]:
+        """What ``save_pretrained`` asks before it writes anything: the state dict is the model's own (None here), but
+        the config it writes next must say which layers are packed *now*.
+
+        ``quantization_config.modules`` becomes the names of the packed layers (PEFT's ``base_layer`` wrapping
+        left out). When none is left (all merged by PEFT's ``merge_and_unload`` or replaced), the model is no longer
+        quantized: its quantization config goes (as ``dequantize`` does), so the checkpoint is a plain one.
 
         Raises:
-            ValueError: :data:`NOT_SERIALIZABLE`, when ``save_pretrained`` would refuse.
+            ValueError: a packed layer in a format other than the config's (quantized again by hand), which the
+                config could not describe; packed layers wrapped in PEFT LoRA layers (``get_peft_model``), whose keys
+                no model loads: save the adapters or merge them.
         """
-        ref = getattr(self, "_model", None)
-        model = ref() if ref is not None else None
-        message = NOT_SERIALIZABLE.format(fmt=self.quantization_config.quantize)
-        if model is None or getattr(model, "hf_quantizer", None) is not self:
-            logger.warning(message)
-        elif not getattr(model, "_hf_peft_config_loaded", False):
-            raise ValueError(message)
-        return False
+        q = self.quantization_config
+        packed = {}
+        for name, m in model.named_modules():
+            if isinstance(m, QuantLinear):
+                packed[name.replace(".base_layer", "")] = m
+        wrapped = [n for n, m in model.named_modules() if n.endswith(".base_layer") and isinstance(m, QuantLinear)]
+        if wrapped and not getattr(model, "_hf_peft_config_loaded", False):
+            # transformers would write the LoRA layers' keys (base_layer, lora_A, ...), which no model loads back
+            raise ValueError(f"trainstream: save_pretrained: {len(wrapped)} packed layers are wrapped in PEFT LoRA "
+                             f"layers ({wrapped[0]}, ...); save the adapters with peft_model.save_pretrained(dir), or "
+                             f"merge them first (peft_model.merge_and_unload().save_pretrained(dir))")
+        if not packed:
+            logger.info("trainstream: no packed layer left; saving a plain checkpoint without quantization_config")
+            self.remove_quantization_config(model)
+            return None, {}
+        other = sorted(n for n, m in packed.items() if m.fmt.name != q.quantize)
+        if other:
+            raise ValueError(f"trainstream: save_pretrained: the quantization_config says {q.quantize} but these "
+                             f"layers are packed in another format: {', '.join(other[:4])}"
+                             f"{' ...' if len(other) > 4 else ''}; dequantize them (or the model) first")
+        q.modules = sorted(packed)
+        return None, {}
+
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | str | None = None) -> nn.Module:
+        """Puts a dense layer in each packed layer's place: ``nn.Linear`` whose weight is ``dequantize_weight`` in
+        ``dtype`` (default, from ``PreTrainedModel.dequantize``: the model's ``config.dtype``), or transformers'
+        ``Conv1D`` (weight transposed) where the checkpoint had one. The bias is kept as it is. The new parameters
+        are trainable, as a freshly built layer's are (bitsandbytes' ``dequantize`` does the same). transformers
+        then drops the quantization config (:meth:`remove_quantization_config`)."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        for name, m in list(model.named_modules()):
+            if not isinstance(m, QuantLinear):
+                continue
+            dt = dtype if dtype is not None else m.weight_dtype
+            with torch.no_grad():
+                w = m.dequantize_weight(dt if dt in (torch.float32, torch.bfloat16, torch.float16) else torch.float32)
+                w = w.to(dt)
+            bias = m.bias
+            if name.replace(".base_layer", "") in self.conv1d:
+                from transformers.pytorch_utils import Conv1D
+
+                dense = Conv1D(m.out_features, m.in_features)
+                dense.weight = nn.Parameter(w.t().contiguous())
+                dense.bias = nn.Parameter(bias.detach()) if bias is not None else None
+            else:
+                dense = nn.Linear(m.in_features, m.out_features, bias=bias is not None, device="meta")
+                dense.weight = nn.Parameter(w)
+                if bias is not None:
+                    dense.bias = nn.Parameter(bias.detach())
+            self._replace(model, name, dense)
+        return model
 
     @property
     def is_trainable(self) -> bool:

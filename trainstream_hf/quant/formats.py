@@ -54,7 +54,7 @@ import torch
 from trainstream_hf import ops
 
 __all__ = ["QuantFormat", "QuantizedTensor", "FORMATS", "get_format", "quantize", "dequantize", "packed_nbytes",
-           "nvfp4_blocked_scales"]
+           "packed_layout", "nvfp4_blocked_scales"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,32 @@ def packed_nbytes(fmt: str | QuantFormat, shape: tuple[int, int]) -> int:
         raise ValueError(f"packed_nbytes: {f.name} needs in_features to be a multiple of {f.in_features_multiple}, "
                          f"got {shape[1]}")
     return f.packed_nbytes((int(shape[0]), int(shape[1])))
+
+
+def packed_layout(fmt: str | QuantFormat, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{tensor name: (shape, dtype)}`` of the tensors :func:`quantize` makes for a (out_features, in_features)
+    weight, in ``fmt.tensor_names`` order, without quantizing anything (the table in the module docstring). A
+    checkpoint loader allocates these empty and reads the packed tensors into them.
+
+    Raises:
+        ValueError: as :func:`packed_nbytes`.
+    """
+    f = get_format(fmt)
+    packed_nbytes(f, shape)  # the same checks
+    n, k = int(shape[0]), int(shape[1])
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    if f.name == "int8":
+        layout = [((n, k), torch.int8), ((n,), f32)]
+    elif f.name == "fp8":
+        layout = [((n, k), e4m3), ((n,), f32)]
+    elif f.name == "nf4":
+        blocks = n * k // ops.NF4_BLOCK
+        layout = [((n, k // 2), torch.uint8), ((blocks,), e4m3), ((-(-blocks // ops.NF4_GROUP),), f32), ((), f32)]
+    elif f.name == "nvfp4":
+        layout = [((n, k // 2), torch.uint8), ((n, k // ops.NVFP4_BLOCK), e4m3), ((), f32)]
+    else:
+        raise AssertionError(f.name)
+    return dict(zip(f.tensor_names, layout))
 
 
 def nvfp4_blocked_scales(block_scale: torch.Tensor) -> torch.Tensor:
