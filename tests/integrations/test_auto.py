@@ -283,6 +283,52 @@ def test_quantize_packs_a_peft_models_frozen_base(tmp_path):
     assert any("trainstream/step_seconds" in h for h in trainer.state.log_history)
 
 
+@pytest.mark.parametrize("way_back", ["merge", "dequantize"])
+def test_after_quantize_the_users_model_dequantizes_merges_and_saves(tmp_path, way_back):
+    """TRAINSTREAM_QUANTIZE packs the user's model in place; after train() it is a quantized transformers model like
+    a loaded one: merge_and_unload() then save_pretrained gives a quantized checkpoint that reloads exactly (the
+    layers without adapters stay packed) and, after dequantize(), a plain one stock transformers loads; or
+    dequantize() first gives dense layers back (equal to the packed weights decoded) and the adapters save."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainstream_hf.quant import QuantLinear
+
+    model = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cb = TrainStreamEnvCallback({"TRAINSTREAM": "on", "TRAINSTREAM_QUANTIZE": "nf4",
+                                 "TRAINSTREAM_VRAM_BUDGET": "64GiB"})
+    Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), **ARGS), train_dataset=_data(),
+            callbacks=[cb]).train()
+    base = model.get_base_model()
+    assert base.is_quantized and base.config.quantization_config.quantize == "nf4"
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(4))
+    if way_back == "merge":
+        merged = model.merge_and_unload()  # q/v dense with their LoRA delta; the layers without adapters stay packed
+        assert isinstance(merged.model.layers[0].self_attn.k_proj, QuantLinear)
+        with torch.no_grad():
+            want = merged.eval()(ids).logits
+        merged.save_pretrained(tmp_path / "packed")  # those packed, as a quantized checkpoint
+        with torch.no_grad():
+            assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "packed").eval()(ids).logits, want)
+        merged.dequantize()  # and now every layer dense: a plain checkpoint
+        assert not any(isinstance(m, QuantLinear) for m in merged.modules())
+        with torch.no_grad():
+            want = merged(ids).logits
+        merged.save_pretrained(tmp_path / "merged")
+        assert "quantization_config" not in (tmp_path / "merged" / "config.json").read_text()
+        with torch.no_grad():
+            assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits, want)
+    else:
+        packed = model.base_model.model.model.layers[0].self_attn.k_proj
+        decoded = packed.dequantize_weight()
+        base.dequantize()
+        dense = model.base_model.model.model.layers[0].self_attn.k_proj
+        assert type(dense) is torch.nn.Linear and torch.equal(dense.weight, decoded)
+        assert not any(isinstance(m, QuantLinear) for m in model.modules()) and not base.is_quantized
+        model.save_pretrained(tmp_path / "adapters")
+        assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
+
+
 def test_quantize_needs_a_frozen_base(tmp_path):
     cb = TrainStreamEnvCallback({"TRAINSTREAM": "on", "TRAINSTREAM_QUANTIZE": "int8"})
     trainer = Trainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path), **ARGS), train_dataset=_data(),

@@ -85,7 +85,7 @@ from trainstream_hf.quant.linear import QuantLinear, _is_conv1d
 from trainstream_hf.quant.model import _is_target, _skipped
 
 __all__ = ["TrainStreamQuantizationConfig", "TrainStreamHfQuantizer", "LoadedQuantLinear", "QUANT_METHOD",
-           "KBIT_FLAG"]
+           "KBIT_FLAG", "mark_quantized"]
 
 QUANT_METHOD = "trainstream"
 
@@ -398,6 +398,26 @@ class TrainStreamHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return True  # through adapters (PEFT LoRA over QuantLinear); the packed base itself is frozen
+
+
+def mark_quantized(model: nn.Module, config: TrainStreamQuantizationConfig) -> bool:
+    """Gives a model whose linear layers were packed in place (``quantize_frozen_base``: the Trainer flag, the callback
+    and ``TRAINSTREAM_QUANTIZE``) what :class:`TrainStreamHfQuantizer` gives a model it loads: ``hf_quantizer``,
+    ``is_quantized``, ``quantization_method``, ``config.quantization_config`` and the k-bit flag. transformers' own
+    calls then work on it as on a loaded one: ``dequantize()`` (dense layers again), ``save_pretrained`` (the packed
+    checkpoint; after ``merge_and_unload()``, a plain one). Returns False, changing nothing, when ``model`` (or the
+    model inside a PEFT wrapper) is not a transformers ``PreTrainedModel`` or already has a quantizer."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(base, PreTrainedModel) or getattr(base, "hf_quantizer", None) is not None:
+        return False
+    base.hf_quantizer = TrainStreamHfQuantizer(config)
+    base.is_quantized = True
+    base.quantization_method = QUANT_METHOD
+    base.config.quantization_config = config
+    setattr(base, KBIT_FLAG, True)
+    return True
 
 
 def _register() -> None:

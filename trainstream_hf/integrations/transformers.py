@@ -35,6 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.quant.linear import QuantLinear
+from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
@@ -174,6 +175,9 @@ class TrainStreamCallback(TrainerCallback):
         if cfg.quantize is not None:
             # Packed here, in place, since the script loaded a dense model; wrap itself takes no quantize.
             self.quantized = quantize_frozen_base(model, cfg.quantize, cfg.outliers)
+            # ... and marked as a loaded one would be, so that after train() the user's model can be dequantized,
+            # merged and saved with transformers' and PEFT's own calls.
+            mark_quantized(model, TrainStreamQuantizationConfig(cfg.quantize, outliers=cfg.outliers))
             cfg = replace(cfg, quantize=None, outliers=0.0)
         _, new_opt = wrap(model, optimizer, cfg)
         self.model = model
