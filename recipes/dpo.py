@@ -9,8 +9,9 @@ a dropped or a repeated character; ``dpo.corruptions``, seeded), builds the mode
 pairs (made from ``data.test_file`` the same way) before and after training: the DPO loss, the implicit-reward
 accuracy and margin, and how often the policy gives the chosen completion the higher log-probability, per kind of
 corruption too. With ``wrap`` true the engine (the ``trainstream`` section) is installed for the training steps.
-Prints a summary and writes it to ``<output_dir>/summary.json``. ``python recipes/dpo.py --help`` lists every option;
-without ``--config`` it runs configs/dpo-tiny-cpu.yaml (the demo) and says so.
+Prints a summary and writes it to ``<output_dir>/summary.json``, with its curves (training and held-out loss and
+reward accuracy, the engine's GB/s per step) in ``<output_dir>/curves.png``. ``python recipes/dpo.py --help`` lists
+every option; without ``--config`` it runs configs/dpo-tiny-cpu.yaml (the demo) and says so.
 """
 from __future__ import annotations
 
@@ -69,13 +70,23 @@ def main(argv: list[str] | None = None) -> dict:
         "train": align.train_curves(history, LOGGED),
         "pairs_after": after["pairs"][:cfg.eval.show] if after else [],
     })
+    logged, steps = summary["train"]["curves"], summary["steps"]
+    losses = {"training (logged)": logged["loss"]}
+    metrics = {"training reward accuracy (logged)": logged["rewards/accuracies"]}
+    if after:
+        losses["held-out pairs"] = report.endpoints(before["loss"], after["loss"], steps)
+        metrics["held-out reward accuracy"] = report.endpoints(before["reward_accuracy"], after["reward_accuracy"],
+                                                               steps)
+    png = report.write_curves(cfg.output_dir, f"recipes/dpo.py: {steps} steps on {run.device}", losses, metrics,
+                              [m["last"] for m in progress.moved])
+    summary["curves"] = png.name
     if cfg.save_model:
         models.save_model(model, tok, f"{cfg.output_dir}/model")
     path = report.write_summary(summary, cfg.output_dir)
     for p in summary["pairs_after"]:
         tqdm.write(f"  {p['prompt']} {p['chosen']} over {p['rejected']} ({p['corruption']}): reward margin "
                    f"{p['reward_margin']:+.3f}, log-probs {p['logp_chosen']:.2f} / {p['logp_rejected']:.2f}")
-    tqdm.write(report.format_dpo_summary(summary) + f"\nsummary: {path}")
+    tqdm.write(report.format_dpo_summary(summary) + f"\nsummary: {path}\ncurves: {png}")
     return summary
 
 

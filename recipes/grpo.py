@@ -10,7 +10,8 @@ trainstream_hf/train/rewards.py), and pushes the policy towards the completions 
 ``grpo.beta`` > 0 a KL term holds it near the reference, the same model with its adapters off. Held-out prompts
 (``data.test_file``) are completed greedily before and after training and scored by the same rewards and exact
 match. With ``wrap`` true the engine (the ``trainstream`` section) is installed for the training steps. Prints a
-summary, the mean sampled reward over the steps included, and writes it to ``<output_dir>/summary.json``.
+summary, the mean sampled reward over the steps included, and writes it to ``<output_dir>/summary.json``, with its
+curves (training loss, sampled and held-out rewards, the engine's GB/s per step) in ``<output_dir>/curves.png``.
 ``python recipes/grpo.py --help`` lists every option; without ``--config`` it runs configs/grpo-tiny-cpu.yaml (the
 demo) and says so.
 """
@@ -69,12 +70,24 @@ def main(argv: list[str] | None = None) -> dict:
         "train": align.train_curves(history, logged),
         "predictions_after": after["predictions"][:cfg.eval.show] if after else [],
     })
+    curves, steps = summary["train"]["curves"], summary["steps"]
+    metrics = {"sampled reward (logged)": curves["reward"]}
+    if after:
+        for name in gc.rewards:
+            metrics[f"held-out {name} (greedy)"] = report.endpoints(before["rewards"][name], after["rewards"][name],
+                                                                    steps)
+        if "exact_match" not in gc.rewards:
+            metrics["held-out exact match (greedy)"] = report.endpoints(before["exact_match"], after["exact_match"],
+                                                                        steps)
+    png = report.write_curves(cfg.output_dir, f"recipes/grpo.py: {steps} steps on {run.device}",
+                              {"training (logged)": curves["loss"]}, metrics, [m["last"] for m in progress.moved])
+    summary["curves"] = png.name
     if cfg.save_model:
         models.save_model(model, tok, f"{cfg.output_dir}/model")
     path = report.write_summary(summary, cfg.output_dir)
     for p in summary["predictions_after"]:
         tqdm.write(f"  {p['prompt']} {p['prediction']}   (answer {p['answer']})")
-    tqdm.write(report.format_grpo_summary(summary) + f"\nsummary: {path}")
+    tqdm.write(report.format_grpo_summary(summary) + f"\nsummary: {path}\ncurves: {png}")
     return summary
 
 

@@ -13,13 +13,14 @@ when mixed precision is on, backward, clip, step, schedule); ``trainer`` hands t
 trainstream_hf.integrations.transformers.TrainStreamTrainer, which installs the engine when it creates its optimizer.
 Either loop leaves the engine installed: the model is unwrapped only to be evaluated again or saved (both evaluations
 see the plain model), since unwrapping puts every weight on the device. Prints a summary (the same fields for both
-loops: per-step losses and wall times, the engine's figures) and writes it to ``<output_dir>/summary.json``. Under
-``accelerate launch`` it takes the launch config's mixed precision
-(``mixed_precision: auto``). Launched as several processes (``accelerate launch --num_processes N``, torchrun),
-either loop trains data parallel (trainstream_hf/train/processes.py): a replica per GPU, each on its share of the
-global batch (``train.batch_size`` per process), wrapped by the engine with DistributedDataParallel around it (the
-plain loop builds it; the Trainer's Accelerate does, after the engine went in); rank 0 evaluates and writes the
-summary, which gathers every process's step times and host memory.
+loops: per-step losses and wall times, the engine's figures) and writes it to ``<output_dir>/summary.json``, with
+its curves (training and held-out loss, exact match, the engine's GB/s per step) in ``<output_dir>/curves.png``.
+Under ``accelerate launch`` it takes the launch config's mixed precision (``mixed_precision: auto``). Launched as
+several processes (``accelerate launch --num_processes N``, torchrun), either loop trains data parallel
+(trainstream_hf/train/processes.py): a replica per GPU, each on its share of the global batch (``train.batch_size``
+per process), wrapped by the engine with DistributedDataParallel around it (the plain loop builds it; the Trainer's
+Accelerate does, after the engine went in); rank 0 evaluates and writes the summary, which gathers every process's
+step times and host memory.
 ``python recipes/sft.py --help`` lists every option; without ``--config`` it runs configs/sft-tiny-cpu.yaml (the demo)
 and says so.
 """
@@ -136,13 +137,20 @@ def main(argv: list[str] | None = None) -> dict:
         "trainstream": engine,
         "predictions_after": after["predictions"][:cfg.eval.show] if after else [],
     }
+    losses, metrics = {"training": list(enumerate(log.losses, 1))}, {}
+    if after:
+        losses["held-out, per completion token"] = report.endpoints(before["loss"], after["loss"], tc.steps)
+        metrics["held-out exact match"] = report.endpoints(before["exact_match"], after["exact_match"], tc.steps)
+    png = report.write_curves(cfg.output_dir, f"recipes/sft.py: {tc.steps} steps on {device}", losses, metrics,
+                              log.engine)
+    summary["curves"] = png.name
     if cfg.save_model:
         models.save_model(model, tokenizer, f"{cfg.output_dir}/model")
     path = report.write_summary(summary, cfg.output_dir)
     for p in summary["predictions_after"]:
         mark = "ok" if p["prediction"] == p["answer"] else f"expected {p['answer']}"
         tqdm.write(f"  {p['prompt']} {p['prediction']}   ({mark})")
-    tqdm.write(report.format_summary(summary) + f"\nsummary: {path}")
+    tqdm.write(report.format_summary(summary) + f"\nsummary: {path}\ncurves: {png}")
     return summary
 
 

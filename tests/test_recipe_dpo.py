@@ -1,6 +1,7 @@
 """recipes/dpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
 import json
 import math
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "configs/dpo-tiny-cpu.yaml"]
 SMALL = ["--train.batch_size", "8", "--train.warmup_steps", "2", "--train.log_every", "2", "--eval.examples", "24",
          "--eval.batch_size", "24", "--eval.show", "2", "--device", "cpu"]
+
+
+def png_panels(run_dir, summary: dict) -> int:
+    """The curves PNG that summary.json names, checked to be a drawn PNG; how many panels it has (460 px each)."""
+    data = (run_dir / summary["curves"]).read_bytes()
+    assert summary["curves"] == "curves.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert len(data) > 10_000  # drawn, not a blank canvas
+    width = struct.unpack(">I", data[16:20])[0]
+    assert width % 460 == 0, width
+    return width // 460
 
 
 @pytest.fixture
@@ -57,6 +68,7 @@ def test_dpo_trains_through_the_engine_and_writes_the_summary(dpo, tmp_path):
     assert ts["h2d_bytes_per_step"] > 0 and ts["d2h_bytes_per_step"] > 0
     t = summary["timing"]
     assert t["median_step_seconds"] > 0 and t["tokens_per_second"] > 0 and summary["peak_memory"]["bytes"] > 0
+    assert png_panels(out, on_disk) == 3  # loss, reward accuracy, the engine's GB/s
 
 
 def test_engine_gives_the_plain_trainer_figures(dpo, tmp_path):
@@ -66,6 +78,7 @@ def test_engine_gives_the_plain_trainer_figures(dpo, tmp_path):
     ts = dpo(args + ["--output_dir", str(tmp_path / "ts")])
     plain = dpo(args + ["--output_dir", str(tmp_path / "plain"), "--wrap", "false", "--save_model", "true"])
     assert plain["trainstream"] is None and ts["trainstream"]["steps_measured"] == 3
+    assert png_panels(tmp_path / "plain", plain) == 2  # no engine, no GB/s panel
     for key in ("loss", "rewards/margins", "logps/chosen"):
         a, b = ts["train"]["curves"][key], plain["train"]["curves"][key]
         assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3]

@@ -1,5 +1,6 @@
 """recipes/grpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,16 @@ CONFIG = ["--config", "configs/grpo-tiny-cpu.yaml"]
 SMALL = ["--train.batch_size", "16", "--train.warmup_steps", "1", "--train.log_every", "2",
          "--grpo.max_completion_length", "4", "--eval.max_new_tokens", "4", "--eval.examples", "16",
          "--eval.batch_size", "16", "--eval.show", "2", "--device", "cpu"]
+
+
+def png_panels(run_dir, summary: dict) -> int:
+    """The curves PNG that summary.json names, checked to be a drawn PNG; how many panels it has (460 px each)."""
+    data = (run_dir / summary["curves"]).read_bytes()
+    assert summary["curves"] == "curves.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert len(data) > 10_000  # drawn, not a blank canvas
+    width = struct.unpack(">I", data[16:20])[0]
+    assert width % 460 == 0, width
+    return width // 460
 
 
 @pytest.fixture
@@ -58,6 +69,7 @@ def test_grpo_trains_through_the_engine_and_writes_the_summary(grpo, tmp_path):
     assert ts["h2d_bytes_per_step"] > 0 and ts["d2h_bytes_per_step"] > 0
     t = summary["timing"]
     assert t["median_step_seconds"] > 0 and t["tokens_per_second"] > 0 and summary["peak_memory"]["bytes"] > 0
+    assert png_panels(out, on_disk) == 3  # loss, rewards, the engine's GB/s
 
 
 def test_engine_samples_and_scores_as_the_plain_trainer(grpo, tmp_path):
@@ -66,6 +78,7 @@ def test_engine_samples_and_scores_as_the_plain_trainer(grpo, tmp_path):
     ts = grpo(args + ["--output_dir", str(tmp_path / "ts")])
     plain = grpo(args + ["--output_dir", str(tmp_path / "plain"), "--wrap", "false"])
     assert plain["trainstream"] is None and ts["trainstream"]["steps_measured"] == 3
+    assert png_panels(tmp_path / "plain", plain) == 2  # no engine, no GB/s panel
     assert ts["heldout"] is None and ts["predictions_after"] == []
     a, b = ts["train"]["curves"], plain["train"]["curves"]
     assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]

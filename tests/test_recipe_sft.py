@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "configs/sft-tiny-cpu.yaml"]
 SMALL = ["--train.batch_size", "16", "--train.warmup_steps", "2", "--train.log_every", "5", "--eval.examples", "24",
          "--eval.batch_size", "24", "--eval.show", "2", "--device", "cpu"]
+
+
+def png_panels(run_dir, summary: dict) -> int:
+    """The curves PNG that summary.json names, checked to be a drawn PNG; how many panels it has (460 px each)."""
+    data = (run_dir / summary["curves"]).read_bytes()
+    assert summary["curves"] == "curves.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert len(data) > 10_000  # drawn, not a blank canvas
+    width = struct.unpack(">I", data[16:20])[0]
+    assert width % 460 == 0, width
+    return width // 460
 
 
 @pytest.fixture
@@ -43,6 +54,7 @@ def test_sft_trains_through_the_engine_and_writes_the_summary(sft, tmp_path):
     assert ts["plan"]["offloaded_optimizer_params"] > 0
     assert ts["h2d_bytes_per_step"] > 0 and ts["d2h_bytes_per_step"] > 0 and ts["steps_measured"] == 25
     assert summary["timing"]["median_step_seconds"] > 0 and summary["peak_memory"]["bytes"] > 0
+    assert png_panels(out, on_disk) == 3  # loss, exact match, the engine's GB/s
 
 
 def test_engine_gives_the_plain_loop_losses(sft, tmp_path):
@@ -52,6 +64,7 @@ def test_engine_gives_the_plain_loop_losses(sft, tmp_path):
     ts = sft(args + ["--output_dir", str(tmp_path / "ts")])
     plain = sft(args + ["--output_dir", str(tmp_path / "plain"), "--wrap", "false", "--save_model", "true"])
     assert plain["trainstream"] is None
+    assert png_panels(tmp_path / "plain", plain) == 2  # no engine, no GB/s panel
     assert [s for s, _ in ts["train_loss"]["curve"]] == [1, 2, 3, 4, 5]
     for (_, a), (_, b) in zip(ts["train_loss"]["curve"], plain["train_loss"]["curve"]):
         assert abs(a - b) < 1e-4
@@ -68,7 +81,9 @@ def test_trainer_loop_trains_through_the_engine_and_writes_the_same_summary(sft,
     summary = sft(CONFIG + SMALL + ["--loop", "trainer", "--train.steps", "20", "--output_dir", str(out)])
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary)) and on_disk["config"]["loop"] == "trainer"
-    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]  # the Trainer wrote nothing of its own there
+    # the Trainer wrote nothing of its own there
+    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "summary.json"]
+    assert png_panels(out, on_disk) == 3
     plain_keys = ("command", "date", "config", "model", "steps", "loss", "exact_match", "train_loss", "timing",
                   "peak_memory", "trainstream", "predictions_after")
     assert all(k in on_disk for k in plain_keys)
@@ -244,3 +259,4 @@ def test_two_processes_train_data_parallel(tmp_path, loop):
     assert len(losses) == 4 and all(3.0 < x < 5.5 for x in losses)
     assert summary["exact_match"]["total"] == 8 and summary["loss"]["after"] < summary["loss"]["before"]
     assert "2 processes (data parallel" in r.stdout + r.stderr
+    assert png_panels(out, summary) == 3  # written once, by rank 0

@@ -17,7 +17,8 @@ from trainstream_hf.provenance import git_commit
 from trainstream_hf.train.config import ConfigError
 
 __all__ = ["StepLog", "peak_memory", "plan_summary", "run_info", "check_output_dir", "write_summary",
-           "format_summary", "format_dpo_summary", "format_grpo_summary", "format_table", "format_run"]
+           "endpoints", "write_curves", "format_summary", "format_dpo_summary", "format_grpo_summary", "format_table",
+           "format_run"]
 
 
 class StepLog:
@@ -163,6 +164,72 @@ def write_summary(summary: dict, output_dir: str) -> Path:
     path = out / "summary.json"
     tmp = out / ".summary.json.partial"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def endpoints(before: float, after: float, steps: int) -> list[list[float]]:
+    """A held-out figure as a two-point curve: ``before`` at step 0, ``after`` at step ``steps``."""
+    return [[0, before], [steps, after]]
+
+
+def write_curves(output_dir: str, title: str, losses: dict[str, list], metrics: dict[str, list],
+                 engine: list[dict] | None = None, name: str = "curves.png") -> Path:
+    """Draws the run's curves into ``<output_dir>/<name>`` (a PNG, next to ``summary.json``) and returns its path.
+
+    Up to three panels side by side, sharing the step axis: the losses; the recipe's other figures (accuracy,
+    reward, exact match); and, when the engine ran, its H2D and D2H GB/s of every step. A panel without any points
+    is left out. Like :func:`write_summary` the file is written under a temporary name and renamed. matplotlib
+    (Agg backend, no display needed) is imported here, so a run pays for it only when it draws.
+
+    Args:
+        output_dir: the run's output directory (created if missing).
+        title: the figure's title.
+        losses: label -> ``[[step, value], ...]``: training loss (per step or per log) and held-out loss
+            (:func:`endpoints`), drawn on one panel.
+        metrics: label -> ``[[step, value], ...]``: the evaluation figures, on a second panel.
+        engine: the engine's per-step figures as ``model.trainstream_stats()`` returns them (``step``, 0-based;
+            ``h2d_GBps``, ``d2h_GBps``); None or empty when the model was not wrapped.
+        name: the PNG's file name.
+
+    Returns:
+        The PNG's path.
+    """
+    import matplotlib
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+    def drawn(series: dict[str, list]) -> dict[str, list]:
+        return {label: points for label, points in series.items() if points}
+
+    panels: list[tuple[str, dict[str, list]]] = [("loss", drawn(losses)), ("evaluation", drawn(metrics))]
+    if engine:
+        steps = [s["step"] + 1 for s in engine]  # the engine counts from 0, the recipes' steps from 1
+        panels.append(("engine GB/s per step", {"H2D": list(zip(steps, (s["h2d_GBps"] for s in engine))),
+                                                "D2H": list(zip(steps, (s["d2h_GBps"] for s in engine)))}))
+    panels = [(ylabel, series) for ylabel, series in panels if series]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.6 * max(len(panels), 1), 3.6), squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], panels):
+        for label, points in series.items():
+            xs, ys = zip(*points)
+            # Before / after figures are two points: markers and a dashed line between them, not a curve.
+            style = dict(marker="o", linestyle="--") if len(points) <= 2 else dict(marker="." if len(points) <= 50
+                                                                                    else None)
+            ax.plot(xs, ys, label=label, linewidth=1.2, **style)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    tmp = out / f".{name}.partial"
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     os.replace(tmp, path)
     return path
 
