@@ -30,8 +30,8 @@ def test_config_defaults_and_dict():
     ({"vram_budget": "lots"}, "cannot parse"),
     ({"host_arena": "48 GiBs"}, "cannot parse"),
     ({"host_arena_slab": "1MiB"}, "2 MiB"),
-    ({"staging_threads": -1}, "staging_threads"),
-    ({"peer": "maybe"}, "peer"),
+    ({"fused_loss": "sometimes"}, "fused_loss"),
+    ({"tiled_mlp": 2}, "tiled_mlp"),
 ])
 def test_config_rejects(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

@@ -41,91 +41,34 @@ until a ``Trainer`` is built, so that start-up hook costs nothing more.
 """
 from __future__ import annotations
 
-import difflib
 import importlib.abc
 import os
 import sys
 from pathlib import Path
 
-__all__ = ["MODES", "NOT_OPTIONS", "env_config", "parse_value", "enable", "install_startup_hook",
+__all__ = ["env_config", "parse_value", "enable", "install_startup_hook",
            "uninstall_startup_hook", "main"]
 
-MODES = ("off", "on", "auto")
-# TRAINSTREAM_* variables that are not TrainStreamConfig options, and who reads them.
-NOT_OPTIONS = {"TRAINSTREAM_TRACE": "the engine (Chrome trace file)", "TRAINSTREAM_CUDA": "setup.py (build switch)",
-               "TRAINSTREAM_CPU_ISA": "the native CPU kernels", "TRAINSTREAM_COMMIT": "the benchmarks",
-               "TRAINSTREAM_FP8_GEMM": "the native FP8 layer's GEMM, read once (auto, cublaslt or torch; "
-                                       "ops.set_fp8_gemm changes it at run time)",
-               "TRAINSTREAM_FP8_GEMM_TUNE": "the cuBLASLt FP8 GEMM (0: the heuristic's first algorithm, untimed)"}
 TRAINER_MODULE = "transformers.trainer"
 PTH_NAME = "trainstream_hf_autostart.pth"
 STUB_NAME = "trainstream_hf_autostart.py"
 
 
 # -- the variables -------------------------------------------------------------------------------------------
+# The parser lives with the options (trainstream_hf.config: env_config, parse_value), imported only when called:
+# this module must stay importable without the package (the start-up hook runs it alone, before torch).
 def parse_value(text: str):
-    """An environment variable's text as an option value: ``true``/``false`` -> bool, ``none``/``null``/empty ->
-    None, ``1,2048`` -> a tuple, integers and floats -> numbers, anything else -> the text."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null", ""):
-        return None
-    if "," in text:
-        return tuple(parse_value(t) for t in text.split(","))
-    for cast in (int, float):
-        try:
-            return cast(text.strip())
-        except ValueError:
-            pass
-    return text.strip()
+    """:func:`trainstream_hf.config.parse_value`."""
+    from trainstream_hf.config import parse_value as parse
+
+    return parse(text)
 
 
 def env_config(environ=None, *, default: str = "off"):
-    """``(mode, config)`` from ``TRAINSTREAM`` and ``TRAINSTREAM_<OPTION>`` variables.
+    """:func:`trainstream_hf.config.env_config`: ``(mode, config)`` from ``TRAINSTREAM`` and ``TRAINSTREAM_*``."""
+    from trainstream_hf.config import env_config as read
 
-    Args:
-        environ: the variables (default ``os.environ``).
-        default: the mode when ``TRAINSTREAM`` is unset.
-
-    Returns:
-        ``mode`` in :data:`MODES` and a :class:`~trainstream_hf.TrainStreamConfig` (None when the mode is ``off``:
-        the options are then not read at all).
-
-    Raises:
-        ValueError: ``TRAINSTREAM`` is not one of :data:`MODES`, a ``TRAINSTREAM_*`` variable names no option, or a
-            value is not one the option takes; the message names the variable and the allowed values.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get("TRAINSTREAM")
-    mode = default if raw is None or not raw.strip() else raw.strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"TRAINSTREAM={raw!r}: 'auto', 'on' or 'off' ('auto': on when a GPU is present)")
-    if mode == "off":
-        return mode, None
-    from dataclasses import fields
-
-    from trainstream_hf.config import TrainStreamConfig
-
-    names = [f.name for f in fields(TrainStreamConfig)]
-    opts, source = {}, {}
-    for key in sorted(env):
-        if not key.startswith("TRAINSTREAM_") or key in NOT_OPTIONS:
-            continue
-        name = key[len("TRAINSTREAM_"):].lower()
-        if name not in names:
-            near = [n for n in names if n.startswith(name)][:1] or difflib.get_close_matches(name, names, n=1)
-            hint = f" (did you mean TRAINSTREAM_{near[0].upper()}?)" if near else ""
-            raise ValueError(f"{key}: unknown trainstream option {name!r}{hint}; the options are "
-                             f"{', '.join('TRAINSTREAM_' + n.upper() for n in names)} (and TRAINSTREAM=auto|on|off)")
-        opts[name], source[name] = parse_value(env[key]), key
-    try:
-        return mode, TrainStreamConfig(**opts)
-    except (TypeError, ValueError) as e:
-        # TrainStreamConfig's messages start with the field's name: put the variable and its text in front.
-        name = next((n for n in opts if str(e).startswith(f"{n}:")), None)
-        where = f"{source[name]}={env[source[name]]!r}: " if name else ""
-        raise ValueError(f"{where}{e}") from None
+    return read(environ, default=default)
 
 
 # -- the hook ----------------------------------------------------------------------------------------------

@@ -67,8 +67,6 @@ class TrainStreamConfig:
     pageable_fallback: bool = field(default=False, metadata={
         "help": "When the host arena is exhausted, hand out ordinary pageable tensors (one warning) instead "
                 "of raising ArenaExhaustedError."})
-    staging_threads: int = field(default=0, metadata={
-        "help": "CPU threads that copy unpinned weights into pinned staging buffers; 0 = min(8, cores)."})
     peer: str | bool = field(default="auto", metadata={
         "help": "Data parallel: the processes of one host keep one shared, pinned host copy of a paged frozen "
                 "base instead of one each (engine/peer.py): 'auto' (when a host runs several processes; private "
@@ -166,12 +164,10 @@ class TrainStreamConfig:
             parse_bytes(self.host_arena, name="host_arena")
         if parse_bytes(self.host_arena_slab, name="host_arena_slab") < 2**21:
             raise ValueError("host_arena_slab: slabs smaller than 2 MiB defeat the point of slabs")
-        if not isinstance(self.staging_threads, int) or self.staging_threads < 0:
-            raise ValueError(f"staging_threads: an int >= 0, got {self.staging_threads!r}")
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
         for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute",
-                     "data_parallel", "expandable_segments", "elide_casts"):
+                     "data_parallel", "expandable_segments", "elide_casts", "fused_loss", "tiled_mlp"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if not isinstance(self.fused_norms, bool):
@@ -203,3 +199,90 @@ class TrainStreamConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# -- options as text: environment variables and command-line arguments -------------------------------------------
+ENV_MODES = ("off", "on", "auto")
+# TRAINSTREAM_* variables that are not TrainStreamConfig options, and who reads them.
+ENV_NOT_OPTIONS = {
+    "TRAINSTREAM_TRACE": "the engine (Chrome trace file)", "TRAINSTREAM_CUDA": "setup.py (build switch)",
+    "TRAINSTREAM_CPU_ISA": "the native CPU kernels", "TRAINSTREAM_COMMIT": "the benchmarks",
+    "TRAINSTREAM_FP8_GEMM": "the native FP8 layer's GEMM, read once (auto, cublaslt or torch; ops.set_fp8_gemm changes "
+                            "it at run time)",
+    "TRAINSTREAM_FP8_GEMM_TUNE": "the cuBLASLt FP8 GEMM (0: the heuristic's first algorithm, untimed)",
+    "TRAINSTREAM_UNSLOTH_SITE": "the benchmark table's Unsloth rows (their own package folder)",
+    "TRAINSTREAM_BENCH_MODELS": "the benchmark table (where checkpoints for Unsloth's loader are saved)"}
+
+
+def parse_value(text: str):
+    """An option's text (an environment variable, a command-line argument) as its value: ``true``/``false`` ->
+    bool, ``none``/``null``/empty -> None, ``1,2048`` -> a tuple, integers and floats -> numbers, anything else ->
+    the text. The one parser of every text route into :class:`TrainStreamConfig`."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null", ""):
+        return None
+    if "," in text:
+        return tuple(parse_value(t) for t in text.split(","))
+    for cast in (int, float):
+        try:
+            return cast(text.strip())
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def config_from_text(options: dict[str, Any], sources: dict[str, str] | None = None) -> TrainStreamConfig:
+    """A :class:`TrainStreamConfig` from option values given as text (parsed by :func:`parse_value`) or as values;
+    a bad value is a ValueError whose message starts with where it came from (``sources[name]``, e.g. the variable
+    ``TRAINSTREAM_VRAM_BUDGET='x'``, default the option's name)."""
+    sources = sources or {}
+    values = {k: parse_value(v) if isinstance(v, str) else v for k, v in options.items()}
+    try:
+        return TrainStreamConfig(**values)
+    except (TypeError, ValueError) as e:
+        # TrainStreamConfig's messages start with the field's name: put where the value came from in front.
+        name = next((n for n in values if str(e).startswith(f"{n}:")), None)
+        where = f"{sources.get(name, name)}={options[name]!r}: " if name else ""
+        raise ValueError(f"{where}{e}") from None
+
+
+def env_config(environ=None, *, default: str = "off") -> tuple[str, TrainStreamConfig | None]:
+    """``(mode, config)`` from ``TRAINSTREAM`` and ``TRAINSTREAM_<OPTION>`` variables.
+
+    Args:
+        environ: the variables (default ``os.environ``).
+        default: the mode when ``TRAINSTREAM`` is unset.
+
+    Returns:
+        ``mode`` in :data:`ENV_MODES` and a :class:`TrainStreamConfig` (None when the mode is ``off``: the options
+        are then not read at all).
+
+    Raises:
+        ValueError: ``TRAINSTREAM`` is not one of :data:`ENV_MODES`, a ``TRAINSTREAM_*`` variable names no option,
+            or a value is not one the option takes; the message names the variable and the allowed values.
+    """
+    import difflib
+    import os
+
+    env = os.environ if environ is None else environ
+    raw = env.get("TRAINSTREAM")
+    mode = default if raw is None or not raw.strip() else raw.strip().lower()
+    if mode not in ENV_MODES:
+        raise ValueError(f"TRAINSTREAM={raw!r}: 'auto', 'on' or 'off' ('auto': on when a GPU is present)")
+    if mode == "off":
+        return mode, None
+    names = [f.name for f in fields(TrainStreamConfig)]
+    opts, source = {}, {}
+    for key in sorted(env):
+        if not key.startswith("TRAINSTREAM_") or key in ENV_NOT_OPTIONS:
+            continue
+        name = key[len("TRAINSTREAM_"):].lower()
+        if name not in names:
+            near = [n for n in names if n.startswith(name)][:1] or difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean TRAINSTREAM_{near[0].upper()}?)" if near else ""
+            raise ValueError(f"{key}: unknown trainstream option {name!r}{hint}; the options are "
+                             f"{', '.join('TRAINSTREAM_' + n.upper() for n in names)} (and TRAINSTREAM=auto|on|off)")
+        opts[name], source[name] = env[key], key
+    return mode, config_from_text(opts, source)

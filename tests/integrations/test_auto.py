@@ -340,3 +340,24 @@ def test_quantize_needs_a_frozen_base(tmp_path):
 def test_auto_is_off_without_a_gpu():
     cb = TrainStreamEnvCallback({"TRAINSTREAM": "auto"})
     assert cb.active() == torch.cuda.is_available()
+
+
+def test_every_option_has_one_trainer_argument_and_one_variable_with_one_parser():
+    """The Trainer arguments and the environment variables are made from TrainStreamConfig's fields and read by one
+    parser: the same text gives the same option through both routes."""
+    from dataclasses import fields
+
+    from trainstream_hf import TrainStreamConfig
+    from trainstream_hf.integrations.transformers import TrainStreamTrainingArguments
+
+    names = [f.name for f in fields(TrainStreamConfig)]
+    assert all(f"trainstream_{n}" in TrainStreamTrainingArguments.__dataclass_fields__ for n in names)
+    text = {"vram_budget": "0.5", "batch_shape": "1,2048", "offload_optimizer": "false", "prefetch": "0",
+            "min_activation_bytes": "2MiB", "quantize": "nvfp4", "outliers": "0.01", "fused_loss": "true"}
+    args = TrainStreamTrainingArguments(output_dir="out", use_cpu=True, report_to=[],
+                                        **{f"trainstream_{k}": v for k, v in text.items()})
+    _, from_env = env_config({"TRAINSTREAM": "on", **{f"TRAINSTREAM_{k.upper()}": v for k, v in text.items()}})
+    assert args.trainstream_config() == from_env
+    assert from_env.vram_budget == 0.5 and from_env.batch_shape == (1, 2048) and from_env.fused_loss is True
+    with pytest.raises(ValueError, match=r"trainstream_prefetch='9': prefetch: an int in \[0, slots - 1\]"):
+        TrainStreamTrainingArguments(output_dir="out", use_cpu=True, report_to=[], trainstream_prefetch="9")

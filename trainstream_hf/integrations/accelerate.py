@@ -7,7 +7,7 @@ its DistributedDataParallel goes around the wrapped model, the order ``trainstre
 requires, and the LR scheduler keeps working (the engine's optimizer shares the user's param-group dicts).
 ``TrainStreamPlugin.from_env()`` reads ``TRAINSTREAM``
 ("auto" / "on" / "off") and ``TRAINSTREAM_<OPTION>`` variables (parsed and checked by
-:func:`trainstream_hf.auto.env_config`, the same rules as the Trainer route), so a launch can configure the engine
+:func:`trainstream_hf.config.env_config`, the same rules as the Trainer route), so a launch can configure the engine
 without code changes in the script beyond using this Accelerator. Targets accelerate 1.15-1.16.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TrainStreamPlugin:
     def from_env(cls, environ=None) -> "TrainStreamPlugin":
         """``TRAINSTREAM=on`` and ``TRAINSTREAM_VRAM_BUDGET=24GiB`` style variables (any config field); an unset
         ``TRAINSTREAM`` means "auto" here (this Accelerator is already an explicit choice)."""
-        from trainstream_hf.auto import env_config
+        from trainstream_hf.config import env_config
 
         mode, config = env_config(environ, default="auto")
         return cls(enabled=mode, config=config if config is not None else TrainStreamConfig())

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.config import TrainStreamConfig, config_from_text, env_config
 from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
@@ -224,8 +224,6 @@ class TrainStreamEnvCallback(TrainStreamCallback):
     trainstream_env = True  # the marker trainstream_hf.auto looks for in DEFAULT_CALLBACKS
 
     def __init__(self, environ=None):
-        from trainstream_hf.auto import env_config
-
         self.mode, config = env_config(environ)
         super().__init__(config)
         self.quantized: list[str] = []
@@ -259,27 +257,27 @@ def _options_text(config: TrainStreamConfig) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "default options"
 
 
-@dataclass
+def _with_engine_options(cls):
+    """Adds ``trainstream_<option>`` for every :class:`TrainStreamConfig` field (default None: the engine's
+    default), then makes ``cls`` a dataclass: the Trainer arguments mirror the options by construction."""
+    for f in fields(TrainStreamConfig):
+        name = f"trainstream_{f.name}"
+        cls.__annotations__[name] = "str | None"
+        setattr(cls, name, field(default=None, metadata={
+            "help": f"{f.metadata.get('help', '')} (default: the engine's, {f.default!r})"}))
+    return dataclass(cls)
+
+
+@_with_engine_options
 class TrainStreamTrainingArguments(TrainingArguments):
     """TrainingArguments plus ``trainstream`` ("auto" / "on" / "off") and every engine option as
-    ``trainstream_<option>`` (strings on the command line: sizes like "24GiB", booleans "true"/"false")."""
+    ``trainstream_<option>`` (each :class:`TrainStreamConfig` field). Values may be given as text, as on the command
+    line (``--trainstream_vram_budget 24GiB --trainstream_offload_optimizer true --trainstream_batch_shape 1,2048``:
+    read by :func:`trainstream_hf.config.parse_value`, the parser of the environment route too) or as values; None
+    keeps the engine's default."""
 
     trainstream: str = field(default="auto", metadata={
         "help": "Install the trainstream engine: 'on', 'off', or 'auto' (on when a GPU is present)."})
-    trainstream_quantize: str | None = field(default=None, metadata={
-        "help": "Pack the frozen linear layers (a PEFT model's base) at train begin: int8, nf4, fp8 or nvfp4."})
-    trainstream_vram_budget: str = field(default="auto", metadata={
-        "help": "Device memory the plan may use: '24GiB', bytes, a fraction like '0.5', or 'auto'."})
-    trainstream_host_arena: str = field(default="auto", metadata={"help": "Pinned host memory: 'auto' or a size."})
-    trainstream_offload_optimizer: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
-    trainstream_offload_activations: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
-    trainstream_page_weights: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
-    trainstream_recompute: str = field(default="auto", metadata={"help": "'auto', 'true' or 'false'."})
-    trainstream_timeline: bool = field(default=False, metadata={"help": "Time copies vs compute (overlap %)."})
-    trainstream_min_offload_numel: int = field(default=1 << 20, metadata={
-        "help": "Smaller trainable tensors keep their optimizer on the device."})
-    trainstream_min_activation_bytes: str = field(default="1MiB", metadata={
-        "help": "Smaller saved tensors stay on the device."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -292,24 +290,9 @@ class TrainStreamTrainingArguments(TrainingArguments):
 
     def trainstream_config(self) -> TrainStreamConfig:
         """The :class:`TrainStreamConfig` these arguments describe."""
-        def flag(v):
-            if isinstance(v, str) and v.lower() in ("true", "false"):
-                return v.lower() == "true"
-            return v
-
-        budget = self.trainstream_vram_budget
-        try:
-            budget = float(budget) if "." in str(budget) else budget
-        except ValueError:
-            pass
-        return TrainStreamConfig(
-            quantize=self.trainstream_quantize, vram_budget=budget, host_arena=self.trainstream_host_arena,
-            offload_optimizer=flag(self.trainstream_offload_optimizer),
-            offload_activations=flag(self.trainstream_offload_activations),
-            page_weights=flag(self.trainstream_page_weights), recompute=flag(self.trainstream_recompute),
-            timeline=self.trainstream_timeline,
-            min_offload_numel=self.trainstream_min_offload_numel,
-            min_activation_bytes=self.trainstream_min_activation_bytes)
+        given = {f.name: getattr(self, f"trainstream_{f.name}") for f in fields(TrainStreamConfig)}
+        given = {k: v for k, v in given.items() if v is not None}
+        return config_from_text(given, {k: f"trainstream_{k}" for k in given})
 
 
 def _does_not_fit(model: nn.Module, device) -> bool:
