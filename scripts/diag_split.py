@@ -3,8 +3,9 @@ float32 graph (tests/gpu/test_lora_cuda.py::test_fused_lora_split_regime_cuda's 
 
 For c (bf16) += alpha a b (bf16 operands, float32 accumulation) it prints, per alpha, torch's bf16 reduced-precision
 reduction setting and BLAS backend: the mean abs error against float64, and the fraction of outputs equal to one
-rounding, bf16(c + alpha a b), and to two, bf16(c + bf16(alpha a b)). Session 13, H100, torch 2.11: two, for every
-output, every alpha, backend and setting (benchmarks/results/gpu-round-h100-b35d7c8.txt).
+rounding, bf16(c + alpha a b), and to two, bf16(c + bf16(alpha a b)). On the H100 at b35d7c8
+(2026-12-06, torch 2.11): two, for every output, every alpha, backend and setting
+(benchmarks/results/gpu-round-h100-b35d7c8.txt).
 """
 import sys
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""Which part of an FP8 QuantLinear forward + backward blocks the host (session 8 diagnostic).
+"""Which part of an FP8 QuantLinear forward + backward blocks the host (run on the H200 at 26e3095,
+2026-12-04: benchmarks/results/diag-sync-h200-26e3095.txt).
 
 python3 scripts/diag_sync.py: for each variant, the host time of 20 calls while the GPU runs a ~1 s spin kernel
 (a call that waits for the device shows ~50 ms per call), then the same calls under

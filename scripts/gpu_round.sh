@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call that measures what changed since the last GPU session (benchmarks/NOTES.md "Next GPU session").
+# One device call that measures what changed since the last GPU run (benchmarks/NOTES.md "Next GPU run").
 # Builds for sm_90, then runs each step under its own time limit; logs to /tmp/gpu-round, and only the JSON
 # results plus one summary.log come back in $OUT (the device tool returns few files).
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned

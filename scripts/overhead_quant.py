@@ -3,9 +3,10 @@
 python3 scripts/overhead_quant.py [--calls 1000] [--repeats 7] [--profile]
 
 On the GPU the FP8 path's kernels are short enough (tens of microseconds per layer at 2048 tokens) that the host
-side, which queues them, is about as long (benchmarks/NOTES.md, session 3). This measures that host side alone: tiny
-layers (4 tokens, 16 x 16) whose kernels take about a microsecond, with ``torch._scaled_mm`` replaced by a fake that
-only allocates its output, and the CPU routed to the FP8 tensor-core path (``fp8_w8a8_scaled_mm``). Rows:
+side, which queues them, is about as long (benchmarks/NOTES.md, 2026-12-03 H200 quant profile). This measures that
+host side alone: tiny layers (4 tokens, 16 x 16) whose kernels take about a microsecond, with ``torch._scaled_mm``
+replaced by a fake that only allocates its output, and the CPU routed to the FP8 tensor-core path
+(``fp8_w8a8_scaled_mm``). Rows:
 
 * ``nn.Linear bf16``: the floor (autograd + one GEMM each way).
 * ``fp8 W8A8 (scaled_mm), 1 layer``: one layer, a fresh input per call (no activation reuse).

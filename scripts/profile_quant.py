@@ -4,11 +4,11 @@ python3 scripts/profile_quant.py [row ...]   (default: bf16 fp8 nf4; rows of tra
 
 For each row: the block's 7 layers over 2048 bf16 tokens, forward + input gradients (bench quant's block_step), timed
 (median of 20 after 5), then 5 steps under torch.profiler: every CUDA kernel's total time and count, the GPU's busy
-time against the wall time, and the CPU ops. Issue 4's FP8 target is 0.75x bf16; the FP8 row runs 0.95x (session 6):
-this splits its time between the FP8 GEMMs (torch._scaled_mm), the activation / gradient quantization and the weight
-transpose of the backward; the host's enqueue time per step (GPU kept busy) tells whether the step is host-bound, and
-`host` (an extra argument) prints the enqueue time of each op of the FP8 path. Chrome traces go to
-$OUT/profile-quant-<row>.json.gz when OUT is set.
+time against the wall time, and the CPU ops. Issue 4's FP8 target is 0.75x bf16; the FP8 row ran 0.95x on the H200
+at d554c81 (benchmarks/results/quant-ahead-h200-d554c81.json): this splits its time between the FP8 GEMMs
+(torch._scaled_mm), the activation / gradient quantization and the weight transpose of the backward; the host's
+enqueue time per step (GPU kept busy) tells whether the step is host-bound, and `host` (an extra argument) prints the
+enqueue time of each op of the FP8 path. Chrome traces go to $OUT/profile-quant-<row>.json.gz when OUT is set.
 """
 import os
 import statistics

@@ -40,7 +40,8 @@ def export_trace(prof, out: str | None, name: str) -> None:
 def enqueue_seconds(fn, n: int) -> float:
     """Host seconds per call of ``fn`` while the GPU is kept busy by a ~1 s spin kernel queued first, so its launches
     never wait for the device (a call that does wait shows ~1 s / n). ``fn`` runs once before, untimed. Keep n calls
-    under CUDA's ~1024 pending launches: past that, launches wait like a sync (session 8)."""
+    under CUDA's ~1024 pending launches: past that, launches wait like a sync (benchmarks/NOTES.md: the 50 ms per step
+    read at f4de1e0 on the H200, 2026-12-04)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))

@@ -522,7 +522,8 @@ def _prefer_recompute_when_paging(pl: Plan, page) -> None:
     one block's forward (at a tight budget recomputing can even avoid paging altogether).
 
     History: the 32B LoRA at 24 GiB offloaded 21 blocks' activations, 13.6 GB of its 107 GB H2D per step, and ran
-    out of memory; with this layout it trains at 89% of the link (benchmarks/NOTES.md, sessions 6 and 7)."""
+    out of memory; with this layout it trains at 89% of the link (benchmarks/NOTES.md, 2026-12-04;
+    benchmarks/results/engine-paged-h200-19b40ff.json and engine-paged-h200-ffeb4e4.json)."""
     before = [(b.activations, b.weights) for b in pl.blocks]
     fitted, moved, peak = pl.fits(), pl.pcie_bytes(), pl.predicted_peak()
     for b in pl.blocks:

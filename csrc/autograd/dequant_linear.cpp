@@ -7,7 +7,7 @@
 //       saved-tensor hooks (the engine's weight pager, checkpointing) see it. No gradient for the weight.
 //
 // Why C++: the Python autograd Function cost the 8B nf4 block step more host time than its kernels took on the H200
-// (benchmarks/NOTES.md, sessions 7-8); here the backward runs without Python and the GIL, as fp8_linear.cpp's does.
+// (profile-engine-nf4-peft-h200-ffeb4e4.json, 2026-12-04); here the backward runs without Python and the GIL, as fp8_linear.cpp's does.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -126,7 +126,7 @@ at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c
 // rounds once: y = bf16(y_base + t), PEFT's y (t = s x A^T B^T in float32), and dx rounded once where PEFT rounds the
 // adapter's input gradient, then the sum. On CUDA, cuBLAS rounds alpha A B to bf16 before it adds C: every output of
 // a bf16 addmm_ equalled bf16(c + bf16(alpha a b)), for alpha 1, 1.5 and 2, cuBLAS and cuBLASLt, either setting of
-// torch's reduced-precision reduction (H100, torch 2.11, scripts/diag_split.py, session 13). So there dx has PEFT's
+// torch's reduced-precision reduction (H100, torch 2.11, scripts/diag_split.py, gpu-round-h100-b35d7c8.txt). So there dx has PEFT's
 // two roundings and y one more than PEFT's, bf16(y_base + bf16(t)): at most 2^-8 |t| per element more, visible only
 // where the adapter's term is comparable to the base's (the GPU test's adapter-dominated layer: 1.34x PEFT's mean
 // error against float64). Adding t in float32 instead would cost a (tokens, out_features) float32 pass per layer.

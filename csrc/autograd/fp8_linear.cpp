@@ -2,7 +2,7 @@
 // fp8_w8a8_scaled_mm).
 //
 // Why C++: on the H200 the host side of one FP8 layer call, not its kernels, set the step time (benchmarks/NOTES.md,
-// sessions 6-9): a torch.autograd.Function whose backward re-entered Python, then the Python around the op (the
+// 2026-12-03 to 2026-12-05): a torch.autograd.Function whose backward re-entered Python, then the Python around the op (the
 // activation-reuse bookkeeping, a separate quantize call, the (..., K) -> (T, K) reshape and the output view, each of
 // those two an autograd node of its own) cost more host time per layer than nn.Linear's whole call. Here one call
 // from Python does the reshape, the quantization (or its reuse), the GEMM and the view, and the backward never takes

@@ -7,7 +7,7 @@
 // through the same library: cuBLASLt with outer-vector scaling (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, cuBLAS
 // 12.9+ on sm_90). What differs is the host side: torch's scaled_gemm creates its descriptors and asks
 // cublasLtMatmulAlgoGetHeuristic for an algorithm on every call, which the FP8 layer pays 14 times per Llama block
-// step (benchmarks/NOTES.md, session 10: ~60 us of untraced host time inside each profiled _scaled_mm call); here
+// step (benchmarks/NOTES.md 2026-12-05, profile-quant-fp8-h200-f4de1e0.json.gz: ~60 us of untraced host time inside each profiled _scaled_mm call); here
 // the heuristic's answer is kept per (device, M, N, K, output dtype, operand alignments).
 //
 // Layout: cuBLASLt is column-major. The row-major out (M, N) is the column-major (N, M) product op(A) op(B) with

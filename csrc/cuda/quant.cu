@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(kThreads) rowwise_dequant_kernel(
 // registers from the first pass to the second, so the row is read from memory once. kRegs == 0: the second pass reads
 // the row again (from L1 / L2). The launcher sizes blocks for at most 2 vectors per thread up to 1024 threads (rows
 // of up to 16384 features): at 256 threads a 14336-feature row held 7 vectors per thread in 89 registers, two blocks per SM,
-// and ran at ~1.1 TB/s on the H200 (benchmarks/NOTES.md, session 8).
+// and ran at ~1.1 TB/s on the H200 (profile-quant-h200-65319f7.txt).
 //
 // Each code is e4m3(e), e = clamp(v / s, -448, 448), the division IEEE-rounded (the CPU's `/`, bit for bit). Rows whose
 // max m is finite with s = m / 448 >= 2^-90 (every row of real activations) divide by Markstein's sequence with the

@@ -1,12 +1,13 @@
 """The CUDA caching allocator's expandable segments, for plans that page weights.
 
 A paged plan fills the budget to within its margin, and the caching allocator's fixed-size segments can hold
-gigabytes free but split between live blocks: the 32B LoRA at 24 GiB (session 6, benchmarks/NOTES.md) ran out of
-memory with 21.4 GiB allocated and 2.2 GiB reserved but free, asking for 594 MiB. Expandable segments map physical
-pages into one growing virtual range per stream, so freed pages are reused for any size: fragmentation stops
-costing device memory. The setting applies to segments created after it, process-wide; it cannot be undone for
-those, so wrap() turns it on only when the plan pages weights (``expandable_segments="auto"``) and the user has not
-chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
+gigabytes free but split between live blocks: the 32B LoRA at 24 GiB (H200, 19b40ff, 2026-12-04:
+benchmarks/results/engine-paged-h200-19b40ff.json, benchmarks/NOTES.md) ran out of memory with 21.4 GiB allocated
+and 2.2 GiB reserved but free, asking for 594 MiB. Expandable segments map physical pages into one growing virtual
+range per stream, so freed pages are reused for any size: fragmentation stops costing device memory. The setting
+applies to segments created after it, process-wide; it cannot be undone for those, so wrap() turns it on only when
+the plan pages weights (``expandable_segments="auto"``) and the user has not chosen a setting in
+``PYTORCH_CUDA_ALLOC_CONF``.
 """
 from __future__ import annotations
 

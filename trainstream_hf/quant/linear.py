@@ -266,8 +266,9 @@ class QuantLinear(nn.Linear):
 
     def _forward(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         # Runs once per layer call, and on the GPU the host side of a call is about as long as its kernels
-        # (benchmarks/NOTES.md, session 3): parameters are read from _parameters (nn.Module.__getattr__ is a slow
-        # fallback) and the path is looked up, not selected, after the first call on a device.
+        # (benchmarks/NOTES.md, 2026-12-03 H200 quant profile): parameters are read from _parameters
+        # (nn.Module.__getattr__ is a slow fallback) and the path is looked up, not selected, after the first call
+        # on a device.
         params = self._parameters
         packed = [params[n] for n in self._packed_names]
         if packed[0].device != device:
