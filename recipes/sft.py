@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
     ts_cfg = None
     if cfg.wrap:
         longest = max(len(r["input_ids"]) for r in train_rows)
-        # The base was quantized as it was built (above); wrap places it (device: a model built in host RAM).
-        ts_cfg = replace(ts, batch_shape=ts.batch_shape or (tc.batch_size, longest), quantize=None, outliers=0.0,
-                         device=ts.device or str(device))
+        # The base was quantized as it was built (above; wrap finds it packed in that format and leaves it); wrap
+        # places it (device: a model built in host RAM).
+        ts_cfg = replace(ts, batch_shape=ts.batch_shape or (tc.batch_size, longest), device=ts.device or str(device))
     if cfg.loop == "plain":
         model, log, tokens = train_plain(model, batches, tc, ts_cfg, device, mixed, procs)
     else:

@@ -167,3 +167,26 @@ def test_leaves_other_modules_alone():
     assert type(model[3]) is QuantLinear and model[3] is model[4]
     single = quantize_model(nn.Linear(64, 32), "fp8")
     assert isinstance(single, QuantLinear) and single.out_features == 32
+
+
+def test_quantize_frozen_base_accepts_a_base_packed_in_the_same_format():
+    """The option passes through every step that takes it: a base already packed in that format is left as it is;
+    another format (or other outliers) is an error naming the layer."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from trainstream_hf.quant import QuantLinear
+    from trainstream_hf.quant.model import quantize_frozen_base
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    assert quantize_frozen_base(model, "nf4") == ["0"]
+    layer = model[0]
+    assert quantize_frozen_base(model, "nf4") == [] and model[0] is layer and isinstance(layer, QuantLinear)
+    with pytest.raises(ValueError, match=r"layer 0 is already packed as 'nf4' with outliers=0.0"):
+        quantize_frozen_base(model, "int8")
+    with pytest.raises(ValueError, match="already packed"):
+        quantize_frozen_base(model, "nf4", outliers=0.01)

@@ -172,14 +172,13 @@ class TrainStreamCallback(TrainerCallback):
         if cfg.device is None and torch.device(args.device).type != "cpu" and any(
                 p.device != torch.device(args.device) for p in model.parameters()):
             cfg = replace(cfg, device=str(args.device))
+        dense = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+        _, new_opt = wrap(model, optimizer, cfg)  # with quantize set, wrap packs the frozen base (all or nothing)
         if cfg.quantize is not None:
-            # Packed here, in place, since the script loaded a dense model; wrap itself takes no quantize.
-            self.quantized = quantize_frozen_base(model, cfg.quantize, cfg.outliers)
-            # ... and marked as a loaded one would be, so that after train() the user's model can be dequantized,
+            self.quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n in dense]
+            # ... and marks it as a loaded one would be, so that after train() the user's model can be dequantized,
             # merged and saved with transformers' and PEFT's own calls.
             mark_quantized(model, TrainStreamQuantizationConfig(cfg.quantize, outliers=cfg.outliers))
-            cfg = replace(cfg, quantize=None, outliers=0.0)
-        _, new_opt = wrap(model, optimizer, cfg)
         self.model = model
         return new_opt
 

@@ -121,19 +121,32 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
         outliers: see :class:`~trainstream_hf.QuantLinear`.
         replaced: see :func:`quantize_model`.
 
+    A base already packed in this format (by ``from_pretrained(quantization_config=...)``, a recipe that builds it
+    packed, or an earlier call) is accepted as it is: its dense frozen layers, if any, are packed, the packed ones
+    left alone, so the same option can be passed on to every step that takes it.
+
     Returns:
-        The qualified names of the layers packed.
+        The qualified names of the layers packed by this call.
 
     Raises:
-        ValueError: no frozen linear layer (a full fine-tune has nothing to pack).
+        ValueError: no frozen linear layer, packed or not (a full fine-tune has nothing to pack); layers already
+            packed in another format or with other outliers.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     frozen, keep = [], []
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    other = [(n, m) for n, m in packed if m.fmt.name != quantize or float(m.outliers) != float(outliers)]
+    if other:
+        n, m = other[0]
+        raise ValueError(f"quantize={quantize!r}, outliers={outliers}: layer {n} is already packed as "
+                         f"{m.fmt.name!r} with outliers={m.outliers}; pass the format the base was packed in")
     for name, m in model.named_modules():
         if type(m) is not nn.Linear:
             continue
         (frozen if not m.weight.requires_grad and m is not head else keep).append(name)
     if not frozen:
+        if packed:
+            return []
         raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
                          "layer trains): add PEFT LoRA adapters, or leave quantize unset")
     quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",), replaced=replaced)

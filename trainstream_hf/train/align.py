@@ -92,13 +92,12 @@ def build_policy(run: Run):
 
 def engine_config(run: Run, batch_shape: tuple[int, int]):
     """The ``trainstream`` section as the trainer's ``trainstream_config`` (None with ``wrap`` false): the base was
-    quantized as it was built, and ``batch_shape`` (sequences x tokens of one forward) sizes the plan unless the
+    quantized as it was built (wrap finds it packed in that format and leaves it), and ``batch_shape`` (sequences x tokens of one forward) sizes the plan unless the
     section gives one."""
     if not run.cfg.wrap:
         return None
     ts = run.cfg.trainstream
-    return replace(ts, batch_shape=ts.batch_shape or tuple(batch_shape), quantize=None, outliers=0.0,
-                   device=ts.device or str(run.device))
+    return replace(ts, batch_shape=ts.batch_shape or tuple(batch_shape), device=ts.device or str(run.device))
 
 
 def trl_arguments(run: Run, config_cls: type, output_dir: str, **recipe_args):
