@@ -25,9 +25,16 @@ $(VENV)/.weights: $(VENV)/.ready
 	touch $@
 
 # Builds trainstream_hf._C in place (the install step above leaves it out, so it is compiled once); incremental
-# (ninja) after C++ changes.
-build: $(VENV)/.ready
+# (ninja) after C++ changes, and not run at all while the extension is newer than every source (make demo twice
+# compiles nothing and prints nothing of setuptools'). Before the first build the target is a name that never exists.
+EXT := $(firstword $(wildcard trainstream_hf/_C*.so) trainstream_hf/_C.so)
+EXT_SOURCES := $(shell find csrc -type f) setup.py
+
+$(EXT): $(VENV)/.ready $(EXT_SOURCES)
 	MAX_JOBS=$(JOBS) $(VPY) setup.py -q build_ext --inplace
+	touch trainstream_hf/_C*.so
+
+build: $(EXT)
 
 test: build $(VENV)/.weights
 	$(VPY) -m pytest -q tests
