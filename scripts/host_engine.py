@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import trainstream_hf
 from trainstream_hf.quant import quantize_model
-from trainstream_hf.quant.lora import QuantLoraLinear
+from trainstream_hf.integrations.peft import QuantLoraLinear
 from trainstream_hf.train import model as models
 
 ENGINE = {"plain": None, "wrap": {}, "paged": {"page_weights": True, "offload_activations": True,

@@ -15,7 +15,7 @@ replaced by a fake that only allocates its output, and the CPU routed to the FP8
 * ``fp8 weight-only + LoRA r=8``: a PEFT LoRA layer over a QuantLinear (fp32 adapters, bf16 autocast, as the recipes
   train),
   through PEFT's own forward and through the native path (``ops.lora_dequant_linear``: base and adapter in one
-  node; trainstream_hf/quant/lora.py).
+  node; trainstream_hf/integrations/peft.py).
 
 Prints CPU microseconds (``time.thread_time``, so that other jobs on a shared machine count less) per layer call
 (forward + backward), min and median over ``--repeats`` runs of ``--calls`` calls. To compare with another version
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from trainstream_hf.quant import QuantLinear, matmul
-from trainstream_hf.quant.lora import QuantLoraLinear
+from trainstream_hf.integrations.peft import QuantLoraLinear
 
 T, K, N = 4, 16, 16  # small enough that the CPU kernels take about as long as a GPU launch's host side
 
@@ -54,7 +54,7 @@ class _PeftPath(nn.Module):
 def _lora_layers(count: int, native: bool) -> list[nn.Module]:
     from peft import LoraConfig, get_peft_model
 
-    from trainstream_hf.quant.lora import register_quant_lora
+    from trainstream_hf.integrations.peft import register_quant_lora
     out = []
     for _ in range(count):
         base = nn.Sequential(QuantLinear.from_linear(nn.Linear(K, N, bias=False, dtype=torch.bfloat16), "fp8",

@@ -732,7 +732,7 @@ def set_fp8_gemm(choice: str | None) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# lora_add (a LoRA adapter's contribution with its autograd node in C++, trainstream_hf/quant/lora.py)
+# lora_add (a LoRA adapter's contribution with its autograd node in C++, trainstream_hf/integrations/peft.py)
 # --------------------------------------------------------------------------------------------
 
 def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

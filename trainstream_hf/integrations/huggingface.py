@@ -63,8 +63,9 @@ and ``hf_quantizer`` on every quantized model; PEFT's ``prepare_model_for_kbit_t
 instead, so the loaded model also gets ``is_loaded_in_8bit = True``, for every format: they then turn on gradient
 checkpointing and input gradients, freeze the base, upcast the remaining bf16 / fp16 parameters (the packed tensors
 are uint8, int8, float8 or float32, so nothing packed is cast), and TRL keeps the adapters in bf16, as for
-bitsandbytes. The PEFT LoRA layer over each packed layer is :class:`~trainstream_hf.quant.lora.QuantLoraLinear`
-without any registration (:mod:`trainstream_hf.quant.lora`).
+bitsandbytes. The PEFT LoRA layer over each packed layer is
+:class:`~trainstream_hf.integrations.peft.QuantLoraLinear` without any registration
+(:mod:`trainstream_hf.integrations.peft`).
 """
 from __future__ import annotations
 

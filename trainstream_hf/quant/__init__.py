@@ -1,7 +1,7 @@
 """Quantized frozen weights: storage formats (:mod:`~trainstream_hf.quant.formats`), the ``QuantLinear`` layer
 (:mod:`~trainstream_hf.quant.linear`), its matmul paths (:mod:`~trainstream_hf.quant.matmul`), outlier-channel
 protection (:mod:`~trainstream_hf.quant.outliers`) and ``quantize_model`` (:mod:`~trainstream_hf.quant.model`).
-LoRA over ``QuantLinear`` with PEFT: :mod:`trainstream_hf.quant.lora` (imports peft, so not imported here)."""
+LoRA over ``QuantLinear`` with PEFT: :mod:`trainstream_hf.integrations.peft` (imports peft, so not imported here)."""
 from trainstream_hf.quant.formats import (  # noqa: F401
     FORMATS,
     QuantFormat,

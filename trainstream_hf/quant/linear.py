@@ -136,9 +136,9 @@ class QuantLinear(nn.Linear):
     it; it runs ``nn.Module.__init__``, not ``nn.Linear``'s, so it never holds a dense weight. What they read:
     ``in_features``, ``out_features``, ``weight`` (``.shape`` (out, in), ``.device``, ``.dtype`` the logical dtype),
     ``bias``. A PEFT LoRA layer that takes one as its base becomes a
-    :class:`~trainstream_hf.quant.lora.QuantLoraLinear` (:func:`_lora_follows_its_base`). Code that would rewrite
-    a dense ``nn.Linear`` weight (``reset_parameters``, transformers' ``_init_weights``) is refused or skipped: the
-    packed weight is frozen.
+    :class:`~trainstream_hf.integrations.peft.QuantLoraLinear` (:func:`_lora_follows_its_base`). Code that would
+    rewrite a dense ``nn.Linear`` weight (``reset_parameters``, transformers' ``_init_weights``) is refused or skipped:
+    the packed weight is frozen.
 
     Args:
         weight: the quantized (out_features, in_features) weight.
@@ -412,19 +412,20 @@ class QuantLinear(nn.Linear):
 
 
 def _lora_follows_its_base(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    """Keeps PEFT's LoRA ``Linear`` a :class:`~trainstream_hf.quant.lora.QuantLoraLinear` exactly while its
-    ``base_layer`` is a :class:`QuantLinear` (:func:`~trainstream_hf.quant.lora.follow_base`).
+    """Keeps PEFT's LoRA ``Linear`` a :class:`~trainstream_hf.integrations.peft.QuantLoraLinear` exactly while its
+    ``base_layer`` is a :class:`QuantLinear` (:func:`~trainstream_hf.integrations.peft.follow_base`).
 
     A global module-registration hook (torch's public
     ``torch.nn.modules.module.register_module_module_registration_hook``): ``nn.Module.__setattr__`` and
-    ``add_module`` call it before storing any child module, so it costs one string comparison per registration. Installed here, with the class, so that it is in place wherever a
-    QuantLinear exists however it was imported, without importing peft (seconds) at ``import trainstream_hf``: the
-    LoRA module is imported only when a PEFT layer (peft already imported) takes a QuantLinear.
+    ``add_module`` call it before storing any child module, so it costs one string comparison per registration.
+    Installed here, with the class, so that it is in place wherever a QuantLinear exists however it was imported,
+    without importing peft (seconds) at ``import trainstream_hf``: the PEFT integration (a layer above this one) is
+    imported here, inside the function, only when a PEFT layer (peft already imported) takes a QuantLinear.
     """
     if name == "base_layer" and (
             isinstance(child, QuantLinear) and type(parent).__module__ == "peft.tuners.lora.layer"
-            or type(parent).__module__ == "trainstream_hf.quant.lora"):
-        from trainstream_hf.quant.lora import follow_base
+            or type(parent).__module__ == "trainstream_hf.integrations.peft"):
+        from trainstream_hf.integrations.peft import follow_base
 
         follow_base(parent, child)
 
