@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# The shared helpers assert too: rewrite them, so that their failures show the values as a test's own asserts do.
+pytest.register_assert_rewrite("tests.helpers")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,12 +9,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import trainstream_hf as ts
 from trainstream_hf import ops
 from trainstream_hf.engine.norms import FusedNorms
+from tests.helpers import rel_err
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -33,7 +30,7 @@ def test_rms_norm_matches_the_module(dtype, shape):
     assert "RmsNormFunction" in y2.grad_fn.name() and y2.dtype == y.dtype and y2.shape == y.shape
     dx2, dw2 = torch.autograd.grad(y2, (x2, m.weight), dy)
     for got, want, what in ((y2, y, "y"), (dx2, dx, "dx"), (dw2, dw, "dw")):
-        assert _rel(got, want) <= TOL[dtype], (what, _rel(got, want))
+        assert rel_err(got, want) <= TOL[dtype], (what, rel_err(got, want))
 
 
 def test_rms_norm_frozen_weight_and_no_grad():

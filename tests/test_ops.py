@@ -3,23 +3,16 @@ import pytest
 import torch
 
 from trainstream_hf import ops
-
-
-def _rand(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g)
-    idx = torch.randint(0, n, (max(1, n // 1000),), generator=g)
-    x[idx] *= 100.0  # realistic outliers
-    return x
+from tests.helpers import randn_outliers
 
 
 @pytest.mark.parametrize("n", [1, 17, 4099, 1_000_003])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("maximize", [False, True])
 def test_adamw_matches_reference(n, grad_dtype, maximize):
-    p, m = _rand(n, 1), _rand(n, 2) * 0.01
-    v = _rand(n, 3).abs() * 0.01
-    grad = _rand(n, 4).to(grad_dtype)
+    p, m = randn_outliers(n, 1), randn_outliers(n, 2) * 0.01
+    v = randn_outliers(n, 3).abs() * 0.01
+    grad = randn_outliers(n, 4).to(grad_dtype)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
     out = torch.empty(n, dtype=torch.bfloat16)
     kw = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=7, maximize=maximize)
@@ -40,7 +33,7 @@ def test_adamw_20_steps_vs_torch(lr, betas, eps, wd):
     opt = torch.optim.AdamW([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step in range(1, 21):
-        grad = _rand(n, 100 + step)
+        grad = randn_outliers(n, 100 + step)
         ref.grad = grad.clone()
         opt.step()
         ops.adamw_step_(p, m, v, grad, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd,
@@ -58,8 +51,8 @@ def test_adamw_independent_of_thread_count():
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            p, m, v = _rand(300_001, 5), torch.zeros(300_001), torch.zeros(300_001)
-            ops.adamw_step_(p, m, v, _rand(300_001, 6), lr=1e-2, step=1)
+            p, m, v = randn_outliers(300_001, 5), torch.zeros(300_001), torch.zeros(300_001)
+            ops.adamw_step_(p, m, v, randn_outliers(300_001, 6), lr=1e-2, step=1)
             results.append(p)
     finally:
         torch.set_num_threads(saved)
@@ -71,14 +64,14 @@ def test_adamw_independent_of_thread_count():
     ("step", "step counts updates from 1"), ("grad16", "grad must be float32 or bfloat16"),
 ])
 def test_adamw_bad_input(case, msg):
-    p, m, v, g = _rand(64, 1), torch.zeros(64), torch.zeros(64), _rand(64, 2)
+    p, m, v, g = randn_outliers(64, 1), torch.zeros(64), torch.zeros(64), randn_outliers(64, 2)
     kw = dict(lr=1e-3, step=1)
     if case == "dtype":
         p = p.double()
     elif case == "numel":
         m = torch.zeros(65)
     elif case == "noncontig":
-        p = _rand(128, 1)[::2]
+        p = randn_outliers(128, 1)[::2]
     elif case == "step":
         kw["step"] = 0
     elif case == "grad16":
@@ -90,7 +83,7 @@ def test_adamw_bad_input(case, msg):
 @pytest.mark.parametrize("with_bf16", [False, True])
 def test_adamw_opcheck(with_bf16):
     n = 33
-    args = (_rand(n, 1), torch.zeros(n), torch.zeros(n), _rand(n, 2).to(torch.bfloat16),
+    args = (randn_outliers(n, 1), torch.zeros(n), torch.zeros(n), randn_outliers(n, 2).to(torch.bfloat16),
             torch.empty(n, dtype=torch.bfloat16) if with_bf16 else None, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3, False)
     torch.library.opcheck(torch.ops.trainstream.adamw_step_.default, args)
 
@@ -111,10 +104,10 @@ def test_adamw_simd_paths_bit_identical(grad_dtype, out_offset, monkeypatch):
     results = {}
     for isa in _supported_isas():
         monkeypatch.setenv("TRAINSTREAM_CPU_ISA", isa)
-        p, m, v = _rand(n, 21), _rand(n, 22) * 0.01, _rand(n, 23).abs() * 0.01
+        p, m, v = randn_outliers(n, 21), randn_outliers(n, 22) * 0.01, randn_outliers(n, 23).abs() * 0.01
         out = torch.empty(n + 16, dtype=torch.bfloat16)[out_offset:out_offset + n]
         assert (out.data_ptr() % 32 == 0) == (out_offset == 0)
-        ops.adamw_step_(p, m, v, _rand(n, 24).to(grad_dtype), lr=1e-2, weight_decay=0.1, step=3, param_bf16=out)
+        ops.adamw_step_(p, m, v, randn_outliers(n, 24).to(grad_dtype), lr=1e-2, weight_decay=0.1, step=3, param_bf16=out)
         results[isa] = (p, m, v, out)
     first = results["scalar"]
     for isa, r in results.items():
@@ -125,17 +118,17 @@ def test_adamw_simd_paths_bit_identical(grad_dtype, out_offset, monkeypatch):
 def test_adamw_bad_isa(monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_CPU_ISA", "sse9")
     with pytest.raises(RuntimeError, match="TRAINSTREAM_CPU_ISA must be"):
-        ops.adamw_step_(_rand(8, 1), torch.zeros(8), torch.zeros(8), _rand(8, 2), lr=1e-3, step=1)
+        ops.adamw_step_(randn_outliers(8, 1), torch.zeros(8), torch.zeros(8), randn_outliers(8, 2), lr=1e-3, step=1)
 
 
 def test_adamw_num_threads_does_not_change_the_bits():
     """The native pool may be capped (the engine's worker leaves the kernel-launching thread a core); every
     element's update is its own, so any thread count gives the same bits."""
     n = 1_000_003
-    grad = _rand(n, 11)
+    grad = randn_outliers(n, 11)
     results = []
     for threads in (0, 1, 3):
-        p, m, v = _rand(n, 1), _rand(n, 2) * 0.1, _rand(n, 3).abs() * 0.01
+        p, m, v = randn_outliers(n, 1), randn_outliers(n, 2) * 0.1, randn_outliers(n, 3).abs() * 0.01
         out = torch.empty(n, dtype=torch.bfloat16)
         ops.adamw_step_(p, m, v, grad, lr=1e-3, weight_decay=0.1, step=3, param_bf16=out, num_threads=threads)
         results.append((p, m, v, out))

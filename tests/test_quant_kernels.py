@@ -5,6 +5,7 @@ import torch
 
 from trainstream_hf import ops
 from trainstream_hf.quant import dequantize, matmul, quantize
+from tests.helpers import assert_same_bits, bits, column_scale, randn_outliers
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (1, 1) and (3, 17): rows shorter than a 16-code vector and not a multiple of it; (129, 320), (64, 4096): whole ones.
@@ -13,28 +14,6 @@ ROWWISE = {
     "int8": (ops.quantize_int8_reference, ops.dequantize_int8, ops.dequantize_int8_reference),
     "fp8": (ops.quantize_fp8_reference, ops.dequantize_fp8, ops.dequantize_fp8_reference),
 }
-
-
-def _rand(shape, seed, dtype=torch.float32):
-    """N(0, 1) with 0.1% of entries scaled 100x (the outliers real weights and activations have)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    idx = torch.randint(0, x.numel(), (max(1, x.numel() // 1000),), generator=g)
-    x.view(-1)[idx] *= 100.0
-    return x.to(dtype)
-
-
-def _bits(t):
-    """The tensor's raw bits, so that torch.equal compares bits (-0.0 != 0.0, float8 included)."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _assert_same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if not torch.equal(_bits(a), _bits(b)):
-        bad = (_bits(a) != _bits(b)).nonzero()
-        raise AssertionError(f"{bad.shape[0]} of {a.numel()} elements differ, first at {bad[0].tolist()}: "
-                             f"{a[tuple(bad[0])]} vs {b[tuple(bad[0])]}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -46,36 +25,36 @@ def _assert_same_bits(a, b):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_equals_reference(fmt, shape, dtype):
     quant, deq, deq_ref = ROWWISE[fmt]
-    w = _rand(shape, 10 * SHAPES.index(shape) + DTYPES.index(dtype), dtype)
+    w = randn_outliers(shape, 10 * SHAPES.index(shape) + DTYPES.index(dtype), dtype)
     if shape[0] > 2:
         w[1] = 0.0  # a zero row: scale 0
         w[2] *= 1e-30 if dtype == torch.float32 else 1e-3  # small scales (subnormal in float32)
     data, scale = quant(w)
     for out in DTYPES:
-        _assert_same_bits(deq(data, scale, out), deq_ref(data, scale, out))
+        assert_same_bits(deq(data, scale, out), deq_ref(data, scale, out))
 
 
 @pytest.mark.parametrize("fmt", list(ROWWISE))
 def test_dequantize_views_and_all_codes(fmt):
     """Strided codes / scales, and every code value (all 256 bytes, NaN codes aside for fp8) against every scale."""
     quant, deq, deq_ref = ROWWISE[fmt]
-    data, scale = quant(_rand((64, 96), 1))
-    _assert_same_bits(deq(data.t(), scale[:96 // 2].repeat(2), torch.bfloat16),
+    data, scale = quant(randn_outliers((64, 96), 1))
+    assert_same_bits(deq(data.t(), scale[:96 // 2].repeat(2), torch.bfloat16),
                       deq_ref(data.t(), scale[:96 // 2].repeat(2), torch.bfloat16))
-    _assert_same_bits(deq(data[:, 1::3], scale, torch.float16), deq_ref(data[:, 1::3], scale, torch.float16))
+    assert_same_bits(deq(data[:, 1::3], scale, torch.float16), deq_ref(data[:, 1::3], scale, torch.float16))
     codes = torch.arange(256, dtype=torch.uint8)
     if fmt == "fp8":
         codes = codes[(codes & 0x7F) != 0x7F]  # E4M3's NaN encodings: no quantizer writes them
     codes = codes.view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn).repeat(5, 1)
     scales = torch.tensor([1.0, 3.0e-3, 7.5e-41, 1.0e30, 0.0])  # includes a subnormal, an overflowing one, zero
     for out in DTYPES:
-        _assert_same_bits(deq(codes, scales, out), deq_ref(codes, scales, out))
+        assert_same_bits(deq(codes, scales, out), deq_ref(codes, scales, out))
 
 
 @pytest.mark.parametrize("fmt", list(ROWWISE))
 def test_dequantize_independent_of_thread_count(fmt):
     quant, deq, _ = ROWWISE[fmt]
-    data, scale = quant(_rand((512, 1024), 2))
+    data, scale = quant(randn_outliers((512, 1024), 2))
     saved = torch.get_num_threads()
     try:
         outs = []
@@ -84,20 +63,20 @@ def test_dequantize_independent_of_thread_count(fmt):
             outs.append(deq(data, scale, torch.bfloat16))
     finally:
         torch.set_num_threads(saved)
-    _assert_same_bits(outs[0], outs[1])
+    assert_same_bits(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("fmt", list(ROWWISE))
 def test_formats_dequantize_takes_the_kernel(fmt, monkeypatch):
     """formats.dequantize runs the native op on the CPU (a spy on the dispatcher-level call) and gives its bits."""
-    q = quantize(_rand((24, 80), 3), fmt)
+    q = quantize(randn_outliers((24, 80), 3), fmt)
     calls = []
     native = ops.dequantize_int8 if fmt == "int8" else ops.dequantize_fp8
     from trainstream_hf.quant import formats
     monkeypatch.setitem(formats._NATIVE, fmt, (None, lambda *a, **k: calls.append(1) or native(*a, **k)))
     out = dequantize(q, torch.float16)
     assert calls == [1]
-    _assert_same_bits(out, ROWWISE[fmt][2](q.tensors["data"], q.tensors["scale"], torch.float16))
+    assert_same_bits(out, ROWWISE[fmt][2](q.tensors["data"], q.tensors["scale"], torch.float16))
 
 
 @pytest.mark.parametrize("fmt", list(ROWWISE))
@@ -105,7 +84,7 @@ def test_formats_dequantize_takes_the_kernel(fmt, monkeypatch):
 def test_dequantize_opcheck(fmt, dtype):
     quant, _, _ = ROWWISE[fmt]
     op = getattr(torch.ops.trainstream, f"dequantize_{fmt}").default
-    data, scale = quant(_rand((33, 48), 4))
+    data, scale = quant(randn_outliers((33, 48), 4))
     # test_schema compares inputs with torch.allclose, which torch does not implement for float8 (the fp8 codes).
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(op, (data, scale, dtype), test_utils=utils[1:] if fmt == "fp8" else utils)
@@ -114,7 +93,7 @@ def test_dequantize_opcheck(fmt, dtype):
 @pytest.mark.parametrize("fmt", list(ROWWISE))
 def test_dequantize_bad_input(fmt):
     quant, deq, _ = ROWWISE[fmt]
-    data, scale = quant(_rand((4, 32), 5))
+    data, scale = quant(randn_outliers((4, 32), 5))
     with pytest.raises(TypeError, match="dtype must be float32, bfloat16 or float16"):
         deq(data, scale, torch.float64)
     with pytest.raises(RuntimeError, match="scale must be Float"):
@@ -135,7 +114,7 @@ ROW_SHAPES = [(1, 1), (5, 7), (9, 80), (33, 128), (64, 4096), (3, 4100)]
 
 
 def _activations(shape, seed, dtype):
-    x = _rand(shape, seed)
+    x = randn_outliers(shape, seed)
     rows, cols = shape
     if rows > 4:
         x[1] = 0.0  # an all-zero token: scale 0, codes +0
@@ -147,24 +126,19 @@ def _activations(shape, seed, dtype):
     return x
 
 
-def _col_scale(cols, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(cols, generator=g) * torch.logspace(-3, 3, cols) if cols > 1 else torch.tensor([0.37])
-
-
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_col_scale", [False, True])
 def test_quantize_rows_equals_reference(shape, dtype, with_col_scale):
     x = _activations(shape, 100 + ROW_SHAPES.index(shape), dtype)
-    cs = _col_scale(shape[1], 7) if with_col_scale else None
+    cs = column_scale(shape[1], 7) if with_col_scale else None
     q, s = ops.quantize_rows_e4m3(x, cs)
     q_ref, s_ref = ops.quantize_rows_e4m3_reference(x, cs)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (shape[0], 1)
-    _assert_same_bits(q, q_ref)
-    _assert_same_bits(s, s_ref)
+    assert_same_bits(q, q_ref)
+    assert_same_bits(s, s_ref)
     if shape[0] > 4:
-        assert float(s[1]) == 0.0 and torch.equal(_bits(q[1]), torch.zeros(shape[1], dtype=torch.uint8))
+        assert float(s[1]) == 0.0 and torch.equal(bits(q[1]), torch.zeros(shape[1], dtype=torch.uint8))
 
 
 def test_quantize_rows_edge_values():
@@ -178,8 +152,8 @@ def test_quantize_rows_edge_values():
         for cs in (None, torch.linspace(0, 2, v.shape[1])):
             q, s = ops.quantize_rows_e4m3(v, cs)
             q_ref, s_ref = ops.quantize_rows_e4m3_reference(v, cs)
-            _assert_same_bits(q, q_ref)
-            _assert_same_bits(s, s_ref)
+            assert_same_bits(q, q_ref)
+            assert_same_bits(s, s_ref)
 
 
 def test_quantize_rows_every_bf16_value():
@@ -193,19 +167,19 @@ def test_quantize_rows_every_bf16_value():
     x = torch.cat([body, body.new_full((body.shape[0], 1), 448.0)], dim=1)
     q, s = ops.quantize_rows_e4m3(x)
     assert bool((s == 1.0).all())
-    assert torch.equal(_bits(q[:, :255]).reshape(-1)[: v.numel()], _bits(v.to(torch.float8_e4m3fn)))
+    assert torch.equal(bits(q[:, :255]).reshape(-1)[: v.numel()], bits(v.to(torch.float8_e4m3fn)))
     q_ref, s_ref = ops.quantize_rows_e4m3_reference(x)
-    _assert_same_bits(q, q_ref)
-    _assert_same_bits(s, s_ref)
-    assert _bits(q).unique().numel() == 254  # every E4M3 code but the two NaNs
+    assert_same_bits(q, q_ref)
+    assert_same_bits(s, s_ref)
+    assert bits(q).unique().numel() == 254  # every E4M3 code but the two NaNs
 
 
 def test_quantize_rows_col_scale_is_a_float32_multiply():
     """quantize_rows_e4m3(x, cs) == quantize_rows_e4m3(float32(x) * cs): the column scale is one float32 product."""
     x = _activations((17, 96), 8, torch.bfloat16)
-    cs = _col_scale(96, 9)
+    cs = column_scale(96, 9)
     for a, b in zip(ops.quantize_rows_e4m3(x, cs), ops.quantize_rows_e4m3(x.float() * cs)):
-        _assert_same_bits(a, b)
+        assert_same_bits(a, b)
 
 
 def test_quantize_rows_nan_row():
@@ -216,8 +190,8 @@ def test_quantize_rows_nan_row():
     q_ref, s_ref = ops.quantize_rows_e4m3_reference(x)
     assert torch.isnan(s[3]).all() and torch.isnan(q[3].float()).all() and torch.isnan(q_ref[3].float()).all()
     keep = [0, 1, 2, 4, 5]
-    _assert_same_bits(q[keep], q_ref[keep])
-    _assert_same_bits(s[keep], s_ref[keep])
+    assert_same_bits(q[keep], q_ref[keep])
+    assert_same_bits(s[keep], s_ref[keep])
 
 
 def test_quantize_rows_empty_and_thread_count():
@@ -229,18 +203,18 @@ def test_quantize_rows_empty_and_thread_count():
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(ops.quantize_rows_e4m3(x, _col_scale(512, 12)))
+            outs.append(ops.quantize_rows_e4m3(x, column_scale(512, 12)))
     finally:
         torch.set_num_threads(saved)
     for a, b in zip(*outs):
-        _assert_same_bits(a, b)
+        assert_same_bits(a, b)
 
 
 def test_matmul_quantizer_calls_the_op(monkeypatch):
     """matmul.quantize_rows_e4m3 (what the FP8 paths call) is the native op where there is a kernel, same bits as the
     reference, and the reference where there is none."""
     x = _activations((9, 80), 13, torch.float16)
-    _assert_same_bits(matmul.quantize_rows_e4m3(x)[0], ops.quantize_rows_e4m3_reference(x)[0])
+    assert_same_bits(matmul.quantize_rows_e4m3(x)[0], ops.quantize_rows_e4m3_reference(x)[0])
     calls = []
     monkeypatch.setattr(ops, "quantize_rows_e4m3", lambda *a: calls.append(1) or ops.quantize_rows_e4m3_reference(*a))
     matmul.quantize_rows_e4m3(x)
@@ -255,7 +229,7 @@ def test_matmul_quantizer_calls_the_op(monkeypatch):
 def test_quantize_rows_opcheck(dtype, with_col_scale):
     x = _activations((33, 128), 14, dtype)
     torch.library.opcheck(torch.ops.trainstream.quantize_rows_e4m3.default,
-                          (x, _col_scale(128, 15) if with_col_scale else None))
+                          (x, column_scale(128, 15) if with_col_scale else None))
 
 
 @pytest.mark.parametrize("case,exc,msg", [

@@ -1,6 +1,5 @@
 """recipes/grpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainstream_hf.train.config import ConfigError
+from tests.helpers import png_panels
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "configs/grpo-tiny-cpu.yaml"]
@@ -15,16 +15,6 @@ CONFIG = ["--config", "configs/grpo-tiny-cpu.yaml"]
 SMALL = ["--train.batch_size", "16", "--train.warmup_steps", "1", "--train.log_every", "2",
          "--grpo.max_completion_length", "4", "--eval.max_new_tokens", "4", "--eval.examples", "16",
          "--eval.batch_size", "16", "--eval.show", "2", "--device", "cpu"]
-
-
-def png_panels(run_dir, summary: dict) -> int:
-    """The curves PNG that summary.json names, checked to be a drawn PNG; how many panels it has (460 px each)."""
-    data = (run_dir / summary["curves"]).read_bytes()
-    assert summary["curves"] == "curves.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    assert len(data) > 10_000  # drawn, not a blank canvas
-    width = struct.unpack(">I", data[16:20])[0]
-    assert width % 460 == 0, width
-    return width // 460
 
 
 @pytest.fixture

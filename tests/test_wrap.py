@@ -7,13 +7,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with
 
 import trainstream_hf as ts
 from trainstream_hf.engine.optimizer import OffloadedAdamW
+from tests.helpers import max_param_diff, tiny_llama
 
 
 def _llama(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).to(dtype)
+    return tiny_llama(3, vocab=128, positions=64, seed=seed, dtype=dtype)
 
 
 def _batch(step, b=2, t=16):
@@ -44,11 +42,6 @@ def _train(model, opt, steps, *, clip=None, sched=None, accum=1, start=0):
     return losses
 
 
-def _max_diff(a, b):
-    return max((p.detach().float() - q.detach().float()).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()))
-
-
 @pytest.mark.parametrize("case", ["plain", "clip", "sched", "accum"])
 def test_wrapped_full_finetune_matches_torch_adamw(case):
     ref = _llama()
@@ -73,7 +66,7 @@ def test_wrapped_full_finetune_matches_torch_adamw(case):
     la = _train(ref, ref_opt, 20, **ref_train)
     lb = _train(model, opt, 20, **train)
     ts.unwrap(model)
-    assert _max_diff(ref, model) < 1e-6
+    assert max_param_diff(ref, model) < 1e-6
     assert max(abs(a.item() - b.item()) for a, b in zip(la, lb)) < 1e-5
     assert ts.engine_of(model) is None
 
@@ -217,7 +210,7 @@ def test_exception_in_forward_then_training_goes_on():
     _train(ref, ref_opt, 3)
     _train(model, opt, 3)
     ts.unwrap(model)
-    assert _max_diff(ref, model) < 1e-6
+    assert max_param_diff(ref, model) < 1e-6
 
 
 @pytest.mark.parametrize("grads", ["device", "host"])
@@ -248,7 +241,7 @@ def test_overlapped_step_matches_torch(grads, slow, monkeypatch):
     lb = _train(model, opt, 10, sched=sched, accum=2)
     assert opt._worker is not None  # the updates did run on the worker thread
     ts.unwrap(model)
-    assert _max_diff(ref, model) < 1e-6
+    assert max_param_diff(ref, model) < 1e-6
     assert max(abs(a.item() - b.item()) for a, b in zip(la, lb)) < 1e-5
 
 
@@ -353,7 +346,7 @@ def test_wrap_full_engine_on_each_family(family):
             o.step()
             o.zero_grad()
     ts.unwrap(model)
-    assert _max_diff(ref, model) < 1e-6
+    assert max_param_diff(ref, model) < 1e-6
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "fp8"])
@@ -363,7 +356,7 @@ def test_wrap_pages_a_quantized_lora_base_exactly(fmt, train_side_by_side):
     from peft import LoraConfig, get_peft_model
 
     from trainstream_hf.quant import quantize_model
-    from trainstream_hf.quant.lora import register_quant_lora
+    from trainstream_hf.integrations.peft import register_quant_lora
 
     torch.manual_seed(0)
     base = quantize_model(_llama(), fmt)

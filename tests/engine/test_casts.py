@@ -272,7 +272,7 @@ def test_auto_installs_nothing_where_nothing_is_widened():
     from peft import LoraConfig, get_peft_model
 
     from trainstream_hf.quant import quantize_model
-    from trainstream_hf.quant.lora import register_quant_lora
+    from trainstream_hf.integrations.peft import register_quant_lora
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+from transformers import get_linear_schedule_with_warmup
 
 import trainstream_hf as ts
 from trainstream_hf.engine import distributed
@@ -15,6 +15,7 @@ from trainstream_hf.engine import optimizer as opt_mod
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.engine.streams import TransferStreams
+from tests.helpers import max_param_diff, tiny_llama
 
 INBWD = dict(offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB", host_arena=None,
              optimizer_in_backward=True)
@@ -22,10 +23,7 @@ HP = dict(lr=1e-3, weight_decay=0.1)
 
 
 def _llama(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).to(dtype)
+    return tiny_llama(3, vocab=128, positions=64, seed=seed, dtype=dtype)
 
 
 def _batch(step, b=2, t=16):
@@ -44,11 +42,6 @@ def _train(model, opt, steps, *, sched=None, start=0):
             sched.step()
         opt.zero_grad()
     return losses
-
-
-def _max_diff(a, b):
-    return max((p.detach().float() - q.detach().float()).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()))
 
 
 def _sleepy_kernel(monkeypatch):
@@ -80,8 +73,8 @@ def test_matches_torch_adamw_with_warmup(min_offload_numel, slow, monkeypatch):
     lb = _train(model, opt, 20, sched=get_linear_schedule_with_warmup(opt, 5, 20))
     assert opt._worker is not None
     ts.unwrap(model)
-    assert _max_diff(ref, model) < 1e-6
-    assert _max_diff(ref, init) > 5e-3  # the run moved the weights (5000x the tolerance): agreement means something
+    assert max_param_diff(ref, model) < 1e-6
+    assert max_param_diff(ref, init) > 5e-3  # the run moved the weights (5000x the tolerance): agreement means something
     assert max(abs(a.item() - b.item()) for a, b in zip(la, lb)) < 1e-5
 
 

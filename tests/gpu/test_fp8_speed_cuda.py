@@ -11,31 +11,21 @@ import torch
 
 from trainstream_hf import ops
 from trainstream_hf.quant import QuantLinear, matmul, quantize
+from tests.helpers import outlier_channel_tokens, strided_outlier_weight
 
 requires_fp8 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
     reason="requires sm_89+ (FP8 tensor cores)")
 
 
-def _weight(n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    w.view(-1)[:: 97] *= 30.0  # outlier weights
-    return w
-
-
 def _layer(n, k, seed, **kw):
-    layer = QuantLinear(quantize(_weight(n, k, seed), "fp8"), **kw).cuda()
+    layer = QuantLinear(quantize(strided_outlier_weight(n, k, seed), "fp8"), **kw).cuda()
     assert layer.matmul_path() is matmul.FP8_W8A8_SCALED_MM
     return layer
 
 
 def _tokens(t, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, k, generator=g)
-    x[:, torch.randperm(k, generator=g)[: max(1, k // 100)]] *= 50.0  # outlier channels
-    x[1] = 0.0
-    return x.to(torch.bfloat16).cuda()
+    return outlier_channel_tokens((t, k), seed, torch.bfloat16).cuda()
 
 
 def _transposes(fn):

@@ -8,7 +8,7 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from trainstream_hf.quant import QuantLinear  # noqa: E402
-from trainstream_hf.quant.lora import QuantLoraLinear, register_quant_lora  # noqa: E402
+from trainstream_hf.integrations.peft import QuantLoraLinear, register_quant_lora  # noqa: E402
 
 
 def _layer(fmt, alpha, bias, b_std=0.1):

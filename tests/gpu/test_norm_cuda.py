@@ -7,12 +7,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from trainstream_hf import ops
+from tests.helpers import rel_err
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -34,7 +31,7 @@ def test_rms_norm_cuda_matches_the_module(dtype, shape):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for got, want, what in ((y2, y, "y"), (dx2, dx, "dx"), (dw2, dw, "dw")):
-        assert _rel(got, want) <= TOL[dtype], (what, _rel(got, want))
+        assert rel_err(got, want) <= TOL[dtype], (what, rel_err(got, want))
 
 
 def test_rms_norm_cuda_time_beside_the_module():

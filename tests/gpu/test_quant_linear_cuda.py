@@ -16,6 +16,7 @@ from torch import nn
 from trainstream_hf.quant import QuantLinear, dequantize, quantize, quantize_model
 from trainstream_hf.quant import matmul
 from trainstream_hf.quant.outliers import dequantize_columns
+from tests.helpers import bits, outlier_channel_tokens, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
@@ -40,21 +41,6 @@ def _layer(fmt, k, n, seed, outliers=0.0, dtype=torch.float32, act_quant=None):
     return QuantLinear.from_linear(lin.to(dtype), fmt, outliers, act_quant=act_quant)
 
 
-def _act(shape, seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    x[..., torch.randperm(shape[-1], generator=g)[: max(1, shape[-1] // 100)]] *= 50.0
-    return x.to(dtype)
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
-def _bits(t):
-    return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 @pytest.mark.parametrize("fmt,act_quant", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("outliers", [0.0, 0.01])
@@ -64,17 +50,17 @@ def test_cuda_matches_cpu(fmt, act_quant, dtype, outliers):
     for n, p in gpu.named_parameters():  # .cuda() moved the packed tensors and kept their dtype and bits
         ref = getattr(cpu, n)
         assert p.is_cuda and p.dtype == ref.dtype
-        assert torch.equal(_bits(p.detach().cpu()), _bits(ref.detach()))
-    x = _act((4, 64, 1024), 1, dtype)
-    dy = _act((4, 64, 384), 2, dtype)
+        assert torch.equal(bits(p.detach().cpu()), bits(ref.detach()))
+    x = outlier_channel_tokens((4, 64, 1024), 1, dtype, zero_token=False)
+    dy = outlier_channel_tokens((4, 64, 384), 2, dtype, zero_token=False)
     xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
     yc, yg = cpu(xc), gpu(xg)
     assert yg.dtype == dtype and yg.shape == yc.shape
-    assert _rel(yg.detach().cpu(), yc.detach()) <= TOL[dtype], gpu.matmul_path().name
+    assert rel_err(yg.detach().cpu(), yc.detach()) <= TOL[dtype], gpu.matmul_path().name
     yc.backward(dy)
     yg.backward(dy.cuda())
     fp8_backward = gpu.matmul_path() is matmul.FP8_W8A8_SCALED_MM and dtype != torch.float32
-    assert _rel(xg.grad.cpu(), xc.grad) <= (FP8_DX_TOL if fp8_backward else TOL[dtype])
+    assert rel_err(xg.grad.cpu(), xc.grad) <= (FP8_DX_TOL if fp8_backward else TOL[dtype])
     assert all(p.grad is None for p in gpu.parameters())
 
 
@@ -92,13 +78,13 @@ def test_default_act_quant_on_this_gpu():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_activation_quantizers_match_cpu_bitwise(dtype):
-    x = _act((64, 512), 3, dtype)
+    x = outlier_channel_tokens((64, 512), 3, dtype, zero_token=False)
     q, s = matmul.quantize_rows_e4m3(x)
     qg, sg = matmul.quantize_rows_e4m3(x.cuda())
-    assert torch.equal(_bits(qg.cpu()), _bits(q)) and torch.equal(_bits(sg.cpu()), _bits(s))
+    assert torch.equal(bits(qg.cpu()), bits(q)) and torch.equal(bits(sg.cpu()), bits(s))
     v, ts = matmul.quantize_nvfp4_activations(x)
     vg, tsg = matmul.quantize_nvfp4_activations(x.cuda())
-    assert torch.equal(_bits(vg.cpu()), _bits(v)) and torch.equal(_bits(tsg.cpu()), _bits(ts))
+    assert torch.equal(bits(vg.cpu()), bits(v)) and torch.equal(bits(tsg.cpu()), bits(ts))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -106,7 +92,7 @@ def test_dequantize_columns_cuda(fmt):
     q = quantize(torch.randn(129, 320, generator=torch.Generator().manual_seed(4)), fmt).to("cuda")
     idx = torch.tensor([0, 1, 63, 319, 17, 18, 2], device="cuda")
     for dtype in DTYPES:
-        assert torch.equal(_bits(dequantize_columns(q, idx, dtype)), _bits(dequantize(q, dtype)[:, idx]))
+        assert torch.equal(bits(dequantize_columns(q, idx, dtype)), bits(dequantize(q, dtype)[:, idx]))
 
 
 def _no_sync(fn):
@@ -125,7 +111,7 @@ def test_forward_has_no_host_sync(fmt, act_quant, outliers):
     first call on a device copies the NF4 code table there once (trainstream_hf.ops._on_device) and creates the
     cuBLAS handle."""
     layer = _layer(fmt, 1024, 256, 5, outliers, act_quant=act_quant).cuda()
-    x = _act((2, 128, 1024), 6, torch.bfloat16).cuda()
+    x = outlier_channel_tokens((2, 128, 1024), 6, torch.bfloat16, zero_token=False).cuda()
     layer(x)
     y = _no_sync(lambda: layer(x))
     assert y.shape == (2, 128, 256)
@@ -134,7 +120,7 @@ def test_forward_has_no_host_sync(fmt, act_quant, outliers):
 @pytest.mark.parametrize("fmt,act_quant", CASES)
 def test_backward_has_no_host_sync(fmt, act_quant):
     layer = _layer(fmt, 1024, 256, 7, 0.01, act_quant=act_quant).cuda()
-    x = _act((2, 128, 1024), 8, torch.bfloat16).cuda().requires_grad_()
+    x = outlier_channel_tokens((2, 128, 1024), 8, torch.bfloat16, zero_token=False).cuda().requires_grad_()
     dy = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     layer(x).backward(dy)
     x.grad = None
@@ -163,4 +149,4 @@ def test_quantize_model_on_gpu_one_layer_at_a_time(fmt):
     assert peak < linear_bytes / 4, (peak, linear_bytes)
     for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
         assert n == n_ref and p.device.type == "cpu"
-        assert torch.equal(_bits(p.detach()), _bits(p_ref.detach())), n
+        assert torch.equal(bits(p.detach()), bits(p_ref.detach())), n

@@ -6,19 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+from transformers import get_linear_schedule_with_warmup
 
 import trainstream_hf as ts
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.integrations.accelerate import TrainStreamAccelerator, TrainStreamPlugin
 from trainstream_hf.train.processes import cpu_launch_config
+from tests.helpers import tiny_llama
 
 
 def _model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=32))
+    return tiny_llama(vocab=128)
 
 def _loop(acc, model, opt, sched, steps=5):
     for s in range(steps):

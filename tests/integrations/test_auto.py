@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import trainstream_hf as ts
 from trainstream_hf.auto import env_config, parse_value
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.integrations.transformers import TrainStreamCallback, TrainStreamEnvCallback
+from tests.helpers import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -225,10 +226,7 @@ def test_env_config_names_the_variable(env, match):
 
 
 def _model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=32))
+    return tiny_llama(vocab=128)
 
 
 def _data():

@@ -10,7 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from trainstream_hf.integrations.peft import load_quant_lora, quant_lora_config  # noqa: E402
 from trainstream_hf.quant import QuantLinear, quantize_model  # noqa: E402
-from trainstream_hf.quant.lora import QuantLoraLinear  # noqa: E402
+from trainstream_hf.integrations.peft import QuantLoraLinear  # noqa: E402
+from tests.helpers import scale_input_channels  # noqa: E402
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -20,12 +21,8 @@ def _llama(seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # realistic outliers: a few large input channels per weight
-        for m in model.modules():
-            if type(m) is nn.Linear:
-                m.weight[:, :: 37] *= 8.0
-    return model
+    # realistic outliers: a few large input channels per weight
+    return scale_input_channels(LlamaForCausalLM(cfg).eval(), every=37, factor=8.0)
 
 
 def _ids(seed=1, batch=2):

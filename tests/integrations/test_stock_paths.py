@@ -1,7 +1,6 @@
 """The stock Hugging Face calls on a trainstream-quantized base (CPU, transformers 5.25, PEFT 0.21, TRL 1.16): a QLoRA
 user swaps ``BitsAndBytesConfig`` for ``TrainStreamQuantizationConfig`` and changes nothing else. No
 ``register_quant_lora``, ``quant_lora_config`` or ``load_quant_lora`` anywhere in this file."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,24 +21,18 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig  # noqa: E402
 from trainstream_hf.quant import QuantLinear  # noqa: E402
-from trainstream_hf.quant.lora import QuantLoraLinear  # noqa: E402
+from trainstream_hf.integrations.peft import QuantLoraLinear  # noqa: E402
+from tests.helpers import scale_input_channels, tiny_llama  # noqa: E402
 from tests.integrations.test_peft import _randomize_lora
 
 ROOT = Path(__file__).resolve().parents[2]
-_TINY = importlib.util.spec_from_file_location("reliability_tiny", ROOT / "tests" / "reliability" / "tiny.py")
-tiny = importlib.util.module_from_spec(_TINY)
-_TINY.loader.exec_module(tiny)  # the reliability tests' tiny Llama (hidden 64, vocab 100), whatever the import root
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # 2 layers: 14 in all
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A tiny Llama (hidden 64, untied lm_head) saved as safetensors, as a hub checkpoint would be."""
-    model = tiny.tiny_llama()
-    with torch.no_grad():
-        for m in model.modules():
-            if type(m) is nn.Linear:
-                m.weight[:, ::13] *= 6.0  # a few outlier input channels
+    model = scale_input_channels(tiny_llama(), every=13, factor=6.0)  # a few outlier input channels
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return path

@@ -37,7 +37,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTr
 from trainstream_hf import TrainStreamDPOTrainer, TrainStreamGRPOTrainer, TrainStreamQuantizationConfig  # noqa: E402
 from trainstream_hf.config import TrainStreamConfig  # noqa: E402
 from trainstream_hf.quant import QuantLinear  # noqa: E402
-from trainstream_hf.quant.lora import QuantLoraLinear  # noqa: E402
+from trainstream_hf.integrations.peft import QuantLoraLinear  # noqa: E402
 from tests.integrations.test_stock_paths import ROOT, _load, llama_dir  # noqa: E402,F401 (llama_dir: a fixture)
 
 TOL = 1e-5

@@ -3,20 +3,16 @@ import copy
 
 import pytest
 import torch
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import trainstream_hf as ts
 from trainstream_hf.integrations.transformers import (TrainStreamCallback, TrainStreamTrainer,
                                                       TrainStreamTrainingArguments)
-
-
+from tests.helpers import tiny_llama
 
 
 def _model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=32))
+    return tiny_llama(vocab=128)
 
 
 def _data(n=24, t=16):

@@ -16,6 +16,7 @@ from trl import DPOConfig, DPOTrainer  # noqa: E402
 import trainstream_hf as ts  # noqa: E402
 from trainstream_hf.config import TrainStreamConfig  # noqa: E402
 from trainstream_hf.integrations.trl import TrainStreamDPOTrainer  # noqa: E402
+from tests.helpers import randomize_lora_b  # noqa: E402
 
 WORDS = ("the a cat dog sat ran on under mat rug big small red blue happy sad is was and then it "
          "yes no good bad fast slow").split()
@@ -48,15 +49,6 @@ def _base_model(tok):
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
                                         eos_token_id=tok.eos_token_id, bos_token_id=None))
-
-
-def _randomize_lora_b(model):
-    """Non-zero LoRA B, so that "adapters on" and "adapters off" differ from the first step."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def _args(tmp_path, **kw):
@@ -93,7 +85,7 @@ def test_dpo_with_engine_lora_three_steps(tmp_path):
     assert trainer.ref_model is None  # one model in memory: the reference is the policy with adapters off
     pm = trainer.model
     assert list(pm.peft_config) == ["default"]
-    _randomize_lora_b(pm)
+    randomize_lora_b(pm)
 
     # Exactness on one collated batch: ours == TRL's own computation == naive full logits (adapters off).
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
@@ -162,7 +154,7 @@ def test_existing_adapter_uses_trl_ref_adapter(tmp_path):
     """A PeftModel with a trained adapter: TRL 1.16 copies it into a "ref" adapter; we score with that one too."""
     tok = _tokenizer()
     model = get_peft_model(_base_model(tok), LoraConfig(**LORA))
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     trainer = TrainStreamDPOTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(4), processing_class=tok,
                                     ref_chunk_tokens=3)
     assert trainer.ref_model is None and "ref" in trainer.model.peft_config

@@ -22,6 +22,7 @@ from trainstream_hf.config import TrainStreamConfig  # noqa: E402
 from trainstream_hf.integrations.transformers import TrainStreamCallback  # noqa: E402
 from trainstream_hf.integrations.trl import (TrainStreamDPOConfig, TrainStreamGRPOConfig,  # noqa: E402
                                              TrainStreamGRPOTrainer)
+from tests.helpers import randomize_lora_b  # noqa: E402
 
 WORDS = ("the a cat dog sat ran on under mat rug big small red blue happy sad is was and then it "
          "yes no good bad fast slow").split()
@@ -62,15 +63,6 @@ def _args(tmp_path, cls=GRPOConfig, **kw):
     return cls(**{**base, **kw})
 
 
-def _randomize_lora_b(model):
-    """Non-zero LoRA B, so that "adapters on" and "adapters off" differ from the first step."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-
-
 def _scored_batch(tok, k=5):
     """Left-padded prompts + k completion tokens (some padded at the end), as GRPO builds prompt_completion_ids."""
     g = torch.Generator().manual_seed(7)
@@ -96,7 +88,6 @@ def _count_models():
     return sum(isinstance(o, LlamaForCausalLM) for o in gc.get_objects())
 
 
-
 def test_grpo_lora_beta_single_model_reference_and_engine(tmp_path):
     tok = _tokenizer()
     base = _base_model(tok)
@@ -109,7 +100,7 @@ def test_grpo_lora_beta_single_model_reference_and_engine(tmp_path):
     assert any(isinstance(c, TrainStreamCallback) for c in trainer.callback_handler.callbacks)
     pm = trainer.model
     assert list(pm.peft_config) == ["default"]
-    _randomize_lora_b(pm)
+    randomize_lora_b(pm)
 
     calls = []
     orig = trainer._ts_reference_token_logps
@@ -171,7 +162,7 @@ def test_existing_adapter_uses_trl_ref_adapter(tmp_path):
     """A PeftModel with a trained adapter: TRL 1.16 copies it into a "ref" adapter; that is what we score."""
     tok = _tokenizer()
     model = get_peft_model(_base_model(tok), LoraConfig(**LORA))
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     trainer = TrainStreamGRPOTrainer(model=model, reward_funcs=_reward, args=_args(tmp_path), train_dataset=_prompts(),
                                      processing_class=tok, ref_chunk_tokens=4)
     pm = trainer.model

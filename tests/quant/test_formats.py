@@ -8,6 +8,7 @@ import torch
 from trainstream_hf import ops
 from trainstream_hf.quant import formats
 from trainstream_hf.quant.formats import dequantize, get_format, packed_nbytes, quantize
+from tests.helpers import assert_same_bits, bits, randn_outliers
 
 NATIVE = {
     "nf4": (ops.quantize_nf4, ops.quantize_nf4_reference, ops.dequantize_nf4, ops.dequantize_nf4_reference),
@@ -15,30 +16,6 @@ NATIVE = {
               ops.dequantize_nvfp4_reference),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-
-
-def _weight(shape, seed, dtype=torch.float32, outliers=True):
-    """N(0, 1) with 0.1% of entries scaled 100x (the outliers real LLM weights have)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=g)
-    if outliers:
-        idx = torch.randint(0, w.numel(), (max(1, w.numel() // 1000),), generator=g)
-        w.view(-1)[idx] *= 100.0
-    return w.to(dtype)
-
-
-def _bits(t):
-    """The tensor's raw bits, so that torch.equal compares bits (-0.0 != 0.0, float8 included)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _assert_same_bits(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype, x.shape, y.shape)
-        assert torch.equal(_bits(x), _bits(y))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,18 +31,18 @@ SHAPES = [(1, 64), (7, 192), (129, 320), (300, 4096)]
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_equals_reference(fmt, shape, dtype):
     quant, quant_ref, deq, deq_ref = NATIVE[fmt]
-    w = _weight(shape, 10 * list(NATIVE).index(fmt) + SHAPES.index(shape), dtype)
+    w = randn_outliers(shape, 10 * list(NATIVE).index(fmt) + SHAPES.index(shape), dtype)
     q = quant(w)
-    _assert_same_bits(q, quant_ref(w))
+    assert_same_bits(q, quant_ref(w))
     for out in DTYPES:
-        assert torch.equal(_bits(deq(*q, dtype=out)), _bits(deq_ref(*q, dtype=out)))
+        assert torch.equal(bits(deq(*q, dtype=out)), bits(deq_ref(*q, dtype=out)))
 
 
 @pytest.mark.parametrize("fmt", list(NATIVE))
 @pytest.mark.parametrize("case", ["zeros", "zero_rows", "tiny", "transposed"])
 def test_native_equals_reference_edge_cases(fmt, case):
     quant, quant_ref, deq, deq_ref = NATIVE[fmt]
-    w = _weight((64, 256), 3)
+    w = randn_outliers((64, 256), 3)
     if case == "zeros":
         w = torch.zeros(64, 256)
     elif case == "zero_rows":
@@ -75,25 +52,25 @@ def test_native_equals_reference_edge_cases(fmt, case):
         w[:32] *= 1e-30
         w[40] *= 1e-6
     elif case == "transposed":  # a non-contiguous view
-        w = _weight((256, 64), 4).t()
+        w = randn_outliers((256, 64), 4).t()
     q = quant(w)
-    _assert_same_bits(q, quant_ref(w))
-    assert torch.equal(_bits(deq(*q, dtype=torch.float32)), _bits(deq_ref(*q, dtype=torch.float32)))
+    assert_same_bits(q, quant_ref(w))
+    assert torch.equal(bits(deq(*q, dtype=torch.float32)), bits(deq_ref(*q, dtype=torch.float32)))
     if case == "zeros":
-        assert torch.equal(_bits(deq(*q, dtype=torch.float32)), _bits(torch.zeros(64, 256)))
+        assert torch.equal(bits(deq(*q, dtype=torch.float32)), bits(torch.zeros(64, 256)))
 
 
 @pytest.mark.parametrize("fmt", list(NATIVE))
 def test_native_independent_of_thread_count(fmt):
     quant, _, deq, _ = NATIVE[fmt]
-    w = _weight((512, 1024), 5)
+    w = randn_outliers((512, 1024), 5)
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
         q = quant(w)
         results.append((*q, deq(*q, dtype=torch.bfloat16)))
     torch.set_num_threads(1)
-    _assert_same_bits(results[0], results[1])
+    assert_same_bits(results[0], results[1])
 
 
 def test_e2m1_ties_round_to_even():
@@ -127,7 +104,7 @@ def test_nibble_order():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_int8(dtype):
-    w = _weight((96, 320), 11, dtype).float()
+    w = randn_outliers((96, 320), 11, dtype).float()
     q = quantize(w, "int8")
     assert q.data.dtype == torch.int8 and int(q.data.abs().max()) <= 127
     scale = w.abs().amax(dim=1) / 127
@@ -136,7 +113,7 @@ def test_round_trip_int8(dtype):
 
 
 def test_round_trip_fp8():
-    w = _weight((96, 320), 12)
+    w = randn_outliers((96, 320), 12)
     q = quantize(w, "fp8")
     scale = q.tensors["scale"][:, None]
     err = (dequantize(q, torch.float32) - w).abs()
@@ -146,7 +123,7 @@ def test_round_trip_fp8():
 
 
 def test_round_trip_nf4():
-    w = _weight((96, 320), 13)
+    w = randn_outliers((96, 320), 13)
     q = quantize(w, "nf4")
     t = q.tensors
     x = w.view(-1, 64)
@@ -163,7 +140,7 @@ def test_round_trip_nf4():
 
 
 def test_round_trip_nvfp4():
-    w = _weight((96, 320), 14)
+    w = randn_outliers((96, 320), 14)
     q = quantize(w, "nvfp4")
     t = (q.tensors["tensor_scale"] * q.tensors["block_scale"].float()).repeat_interleave(16, dim=1)
     bmax = w.view(96, -1, 16).abs().amax(dim=-1).repeat_interleave(16, dim=1)
@@ -211,7 +188,7 @@ def test_bits_per_weight(fmt, bits):
 @pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
 @pytest.mark.parametrize("shape", [(3, 64), (129, 320), (64, 4096)])
 def test_packed_nbytes_matches_tensors(fmt, shape):
-    q = quantize(_weight(shape, 21), fmt)
+    q = quantize(randn_outliers(shape, 21), fmt)
     assert q.nbytes == packed_nbytes(fmt, shape)
     assert q.shape == shape and tuple(q.tensors) == get_format(fmt).tensor_names
     assert q.data.shape[0] == shape[0]
@@ -219,10 +196,10 @@ def test_packed_nbytes_matches_tensors(fmt, shape):
 
 def test_quantize_keeps_bf16_input_exact_path():
     """A bf16 weight quantizes as its float32 upcast does (all maths is float32)."""
-    w = _weight((64, 128), 22, torch.bfloat16)
+    w = randn_outliers((64, 128), 22, torch.bfloat16)
     for fmt in ("int8", "nf4", "fp8", "nvfp4"):
         a, b = quantize(w, fmt), quantize(w.float(), fmt)
-        _assert_same_bits(list(a.tensors.values()), list(b.tensors.values()))
+        assert_same_bits(list(a.tensors.values()), list(b.tensors.values()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,7 +230,7 @@ def test_nvfp4_blocked_scales_follow_cublas_layout(rows, cols):
 def test_opcheck(fmt, dtype):
     quant_op = getattr(torch.ops.trainstream, f"quantize_{fmt}").default
     deq_op = getattr(torch.ops.trainstream, f"dequantize_{fmt}").default
-    w = _weight((33, 128), 31, dtype)
+    w = randn_outliers((33, 128), 31, dtype)
     torch.library.opcheck(quant_op, (w,))
     # test_schema compares inputs before and after the call with torch.allclose, which torch does not implement
     # for float8 (the scales): every other check runs.
@@ -267,7 +244,7 @@ def test_opcheck(fmt, dtype):
 
 def test_unknown_format():
     with pytest.raises(ValueError, match="unknown quantization format 'nf3': choose one of int8, nf4, fp8, nvfp4"):
-        quantize(_weight((4, 64), 1), "nf3")
+        quantize(randn_outliers((4, 64), 1), "nf3")
     with pytest.raises(ValueError, match="unknown quantization format"):
         packed_nbytes("int4", (4, 64))
 
@@ -279,7 +256,7 @@ def test_unknown_format():
     ("nan", ValueError, "inf or NaN"), ("inf", ValueError, "inf or NaN"),
 ])
 def test_bad_weight(fmt, case, exc, msg):
-    w = _weight((4, 64), 2)
+    w = randn_outliers((4, 64), 2)
     w = {"3d": w.view(2, 2, 64), "1d": w.view(-1), "empty": w[:0], "float64": w.double(),
          "int": w.to(torch.int32)}.get(case, w)
     if case in ("nan", "inf"):
@@ -290,7 +267,7 @@ def test_bad_weight(fmt, case, exc, msg):
 
 @pytest.mark.parametrize("fmt,multiple", [("nf4", 64), ("nvfp4", 16)])
 def test_in_features_not_a_multiple_of_the_block(fmt, multiple):
-    w = _weight((4, multiple + 8), 3)
+    w = randn_outliers((4, multiple + 8), 3)
     with pytest.raises(ValueError, match=f"in_features must be a multiple of {multiple}, got {multiple + 8}"):
         quantize(w, fmt)
     with pytest.raises(ValueError, match=f"multiple of {multiple}"):
@@ -305,7 +282,7 @@ def test_in_features_not_a_multiple_of_the_block(fmt, multiple):
 def test_native_op_bad_weight(fmt, case, exc, msg):
     """The native ops raise the same exception types as the references (TORCH_CHECK_VALUE / _TYPE)."""
     quant, quant_ref, _, _ = NATIVE[fmt]
-    w = _weight((4, 64), 4)
+    w = randn_outliers((4, 64), 4)
     w = {"3d": w.view(2, 2, 64), "float64": w.double(), "multiple": w[:, :40]}.get(case, w)
     if case == "nan":
         w[0, 0] = float("nan")
@@ -317,7 +294,7 @@ def test_native_op_bad_weight(fmt, case, exc, msg):
 @pytest.mark.parametrize("fmt", list(NATIVE))
 def test_dequantize_bad_input(fmt):
     _, _, deq, deq_ref = NATIVE[fmt]
-    q = quantize(_weight((4, 64), 5), fmt)
+    q = quantize(randn_outliers((4, 64), 5), fmt)
     args = list(q.tensors.values())
     for fn in (deq, deq_ref):
         with pytest.raises(TypeError, match="dtype must be float32, bfloat16 or float16"):

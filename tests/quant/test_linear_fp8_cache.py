@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainstream_hf import ops
 from trainstream_hf.engine.weights import PAGED_ATTR
 from trainstream_hf.quant import QuantLinear, matmul, quantize
+from tests.helpers import strided_outlier_weight
 
 
 class _Ops(TorchDispatchMode):
@@ -39,15 +40,8 @@ class _Ops(TorchDispatchMode):
         return self.calls.count(name)
 
 
-def _weight(n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    w.view(-1)[:: 37] *= 30.0  # outlier weights
-    return w
-
-
 def _layer(n=48, k=64, seed=0, **kw):
-    layer = QuantLinear(quantize(_weight(n, k, seed), "fp8"), act_quant=True, **kw)
+    layer = QuantLinear(quantize(strided_outlier_weight(n, k, seed, every=37), "fp8"), act_quant=True, **kw)
     layer._paths[(torch.device("cpu"), True)] = matmul.FP8_W8A8_SCALED_MM  # the CUDA sm_89+ path, forced
     return layer
 
@@ -126,7 +120,7 @@ def test_fp8_linear_outliers_is_the_outlier_decomposition(k):
     it)."""
     from trainstream_hf.quant.outliers import dequantize_columns, outlier_matmul, select_outliers
 
-    q = quantize(_weight(48, 64, 8), "fp8")
+    q = quantize(strided_outlier_weight(48, 64, 8, every=37), "fp8")
     w, s = q.tensors["data"], q.tensors["scale"]
     x = _x(16, 64, 9)
     x2d = x.reshape(-1, 64)
@@ -145,7 +139,7 @@ def test_fp8_linear_outliers_is_the_outlier_decomposition(k):
 
 
 def test_fp8_linear_outliers_keeps_no_quantization_and_checks_the_count():
-    q = quantize(_weight(48, 64, 8), "fp8")
+    q = quantize(strided_outlier_weight(48, 64, 8, every=37), "fp8")
     w, s = q.tensors["data"], q.tensors["scale"]
     x = _x(16, 64, 9)
     ops.fp8_linear(x, w, s, True)  # kept: this x's quantization
@@ -165,7 +159,7 @@ def test_made_again_after_the_weight_changes_in_place():
     x, dy = _x(8, 64, 5), torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     _step(layer, x, dy)
     old = layer._fp8_wt[2]
-    other = quantize(_weight(48, 64, 7), "fp8")
+    other = quantize(strided_outlier_weight(48, 64, 7, every=37), "fp8")
     with torch.no_grad():  # load_state_dict writes the same way (copy_ into the parameter: a version bump)
         layer.weight_data.copy_(other.tensors["data"])
         layer.weight_scale.copy_(other.tensors["scale"])
@@ -221,7 +215,8 @@ def test_off_switch_and_calls_without_a_backward():
 
 def test_emulated_path_keeps_nothing():
     x, dy = _x(8, 64, 16), torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(17)).to(torch.bfloat16)
-    emulated = QuantLinear(quantize(_weight(48, 64, 18), "fp8"), act_quant=True)  # the CPU's own path
+    # the CPU's own path
+    emulated = QuantLinear(quantize(strided_outlier_weight(48, 64, 18, every=37), "fp8"), act_quant=True)
     assert emulated.matmul_path() is matmul.FP8_W8A8_EMULATED
     _step(emulated, x, dy)
     assert emulated._fp8_wt is None
@@ -323,8 +318,9 @@ def test_cache_bytes_counted_by_the_planner_for_resident_blocks_only():
     layer = _layer(48, 64, 24)  # the tensor-core path, forced on the CPU
     assert layer.fp8_transpose_cache_bytes() == 48 * 64
     assert _kept_bytes(nn.Sequential(layer, _layer(32, 64, 25)), torch.device("cpu")) == (48 + 32) * 64
-    assert QuantLinear(quantize(_weight(48, 64, 26), "fp8"), act_quant=True).fp8_transpose_cache_bytes() == 0
-    assert QuantLinear(quantize(_weight(48, 64, 27), "nf4")).fp8_transpose_cache_bytes() == 0
+    fp8 = QuantLinear(quantize(strided_outlier_weight(48, 64, 26, every=37), "fp8"), act_quant=True)
+    assert fp8.fp8_transpose_cache_bytes() == 0
+    assert QuantLinear(quantize(strided_outlier_weight(48, 64, 27, every=37), "nf4")).fp8_transpose_cache_bytes() == 0
     layer.fp8_transpose_cache = False
     assert layer.fp8_transpose_cache_bytes() == 0
     blocks = [BlockPlan(i, weight_bytes=1000, trainable_numel=0, activation_bytes=0, kept_bytes=500) for i in range(3)]

@@ -7,7 +7,7 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from trainstream_hf.quant import QuantLinear, quantize_model  # noqa: E402
-from trainstream_hf.quant.lora import QuantLoraLinear, register_quant_lora  # noqa: E402
+from trainstream_hf.integrations.peft import QuantLoraLinear, register_quant_lora  # noqa: E402
 
 
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

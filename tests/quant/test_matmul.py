@@ -6,8 +6,7 @@ import torch
 from trainstream_hf import ops
 from trainstream_hf.quant import get_format, quantize
 from trainstream_hf.quant import matmul
-
-
+from tests.helpers import bits
 
 
 def _act(shape, seed, dtype=torch.float32):
@@ -20,17 +19,13 @@ def _act(shape, seed, dtype=torch.float32):
     return x.to(dtype)
 
 
-def _bits(t):
-    return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_rows_e4m3_equals_fp8_weight_quantizer(dtype):
     x = _act((9, 80), 1, dtype)
     q, s = matmul.quantize_rows_e4m3(x)
     ref = quantize(x, "fp8").tensors
     assert q.dtype == torch.float8_e4m3fn and s.shape == (9, 1)
-    assert torch.equal(_bits(q), _bits(ref["data"])) and torch.equal(_bits(s), _bits(ref["scale"]))
+    assert torch.equal(bits(q), bits(ref["data"])) and torch.equal(bits(s.flatten()), bits(ref["scale"]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -38,14 +33,14 @@ def test_quantize_nvfp4_activations_equals_reference(dtype):
     x = _act((9, 96), 2, dtype)
     v, ts = matmul.quantize_nvfp4_activations(x)
     data, block_scale, ref_ts = ops.quantize_nvfp4_reference(x)
-    assert torch.equal(_bits(ts), _bits(ref_ts))
+    assert torch.equal(bits(ts), bits(ref_ts))
     ref_v = ops.dequantize_nvfp4_reference(data, block_scale, torch.ones(()), dtype=torch.float32)
-    assert torch.equal(_bits(v), _bits(ref_v))  # codes x block scales, -0.0 included
+    assert torch.equal(bits(v), bits(ref_v))  # codes x block scales, -0.0 included
 
 
 def test_e2m1_decode():
     codes = torch.arange(16, dtype=torch.uint8)
-    assert torch.equal(_bits(matmul.e2m1_decode(codes)), _bits(ops.E2M1_VALUES))
+    assert torch.equal(bits(matmul.e2m1_decode(codes)), bits(ops.E2M1_VALUES))
 
 
 def test_select_path_table():

@@ -11,6 +11,7 @@ from trainstream_hf import ops
 from trainstream_hf.quant import QuantLinear, dequantize, get_format, quantize
 from trainstream_hf.quant import matmul
 from trainstream_hf.quant.linear import _QuantLinearFunction
+from tests.helpers import outlier_channel_tokens, strided_outlier_weight
 
 CUDA = torch.device("cuda")
 FMTS = ["int8", "nf4", "fp8", "nvfp4"]
@@ -157,25 +158,10 @@ def scaled_mm(monkeypatch):
     return calls
 
 
-def _weight(n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    w.view(-1)[:: 97] *= 30.0
-    return w
-
-
-def _act(shape, seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    x[:, torch.randperm(shape[1], generator=g)[: max(1, shape[1] // 100)]] *= 50.0  # outlier channels
-    x[1] = 0.0  # an all-zero token
-    return x.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scaled_mm_forward_is_the_emulated_maths(scaled_mm, dtype):
-    q = quantize(_weight(48, 128, 1), "fp8")
-    x = _act((37, 128), 2, dtype)
+    q = quantize(strided_outlier_weight(48, 128, 1), "fp8")
+    x = outlier_channel_tokens((37, 128), 2, dtype)
     y = matmul.FP8_W8A8_SCALED_MM.forward(x, q)
     assert scaled_mm == [(37, 128, 48)] and y.dtype == dtype
     # Same float32 operations as the emulation (the real kernel differs only in summation order).
@@ -187,8 +173,8 @@ def test_scaled_mm_backward_numerics(rowwise_scaled_mm, dtype):
     """dx = dtype((e4m3(dy * s_w / s_g) @ W_q) * s_g): that formula computed independently (up to the CPU kernel's
     summation order and one rounding), and within FP8 rounding of the straight-through dx = dy @ dequantize(W). The
     backward is one native op (ops.fp8_linear_dgrad) calling the real torch._scaled_mm."""
-    q = quantize(_weight(64, 96, 3), "fp8")
-    dy = _act((41, 64), 4, dtype)
+    q = quantize(strided_outlier_weight(64, 96, 3), "fp8")
+    dy = outlier_channel_tokens((41, 64), 4, dtype)
     dx = matmul.FP8_W8A8_SCALED_MM.backward(dy, q)
     assert dx.dtype == dtype and dx.shape == (41, 96)
     g = dy.float() * q.tensors["scale"]
@@ -209,34 +195,34 @@ def test_scaled_mm_backward_numerics(rowwise_scaled_mm, dtype):
 
 def test_scaled_mm_falls_back_where_it_cannot_run(scaled_mm):
     """float32 activations, or K / N not multiples of 16: the emulated forward and the dequant backward, same bits."""
-    q = quantize(_weight(48, 128, 5), "fp8")
-    x = _act((9, 128), 6, torch.float32)
+    q = quantize(strided_outlier_weight(48, 128, 5), "fp8")
+    x = outlier_channel_tokens((9, 128), 6, torch.float32)
     assert torch.equal(matmul.FP8_W8A8_SCALED_MM.forward(x, q), matmul.FP8_W8A8_EMULATED.forward(x, q))
-    dy = _act((9, 48), 7, torch.float32)
+    dy = outlier_channel_tokens((9, 48), 7, torch.float32)
     assert torch.equal(matmul.FP8_W8A8_SCALED_MM.backward(dy, q), matmul.DEQUANT.backward(dy, q))
     for n, k in ((40, 128), (48, 120)):
-        q = quantize(_weight(n, k, 8), "fp8")
-        x = _act((9, k), 9, torch.bfloat16)
+        q = quantize(strided_outlier_weight(n, k, 8), "fp8")
+        x = outlier_channel_tokens((9, k), 9, torch.bfloat16)
         assert torch.equal(matmul.FP8_W8A8_SCALED_MM.forward(x, q), matmul.FP8_W8A8_EMULATED.forward(x, q))
-        dy = _act((9, n), 10, torch.bfloat16)
+        dy = outlier_channel_tokens((9, n), 10, torch.bfloat16)
         assert torch.equal(matmul.FP8_W8A8_SCALED_MM.backward(dy, q), matmul.DEQUANT.backward(dy, q))
     assert scaled_mm == []
 
 
 def test_scaled_mm_copies_misaligned_weights(scaled_mm):
     """A weight view at an odd address (a paged slot, say) is copied to an aligned one rather than handed to cuBLAS."""
-    q = quantize(_weight(32, 64, 11), "fp8")
+    q = quantize(strided_outlier_weight(32, 64, 11), "fp8")
     raw = torch.empty(q.data.numel() + 1, dtype=torch.uint8)
     raw[1:].copy_(q.data.view(torch.uint8).view(-1))
     odd = raw[1:].view(torch.float8_e4m3fn).view(32, 64)
     assert odd.data_ptr() % 16 != 0
     q_odd = type(q)(q.fmt, q.shape, {"data": odd, "scale": q.tensors["scale"]}, q.dtype)
-    x = _act((5, 64), 12, torch.bfloat16)
+    x = outlier_channel_tokens((5, 64), 12, torch.bfloat16)
     assert torch.equal(matmul.FP8_W8A8_SCALED_MM.forward(x, q_odd), matmul.FP8_W8A8_SCALED_MM.forward(x, q))
     # The backward is the native fp8_linear_dgrad, which calls ATen's _scaled_mm itself (not the fake above): on the
     # CPU that needs row-wise scaling there, which torch 2.11's CPU kernel lacks (the GPU machine's torch).
     if _cpu_rowwise_scaled_mm():
-        dy = _act((5, 32), 13, torch.bfloat16)
+        dy = outlier_channel_tokens((5, 32), 13, torch.bfloat16)
         assert torch.equal(matmul.FP8_W8A8_SCALED_MM.backward(dy, q_odd), matmul.FP8_W8A8_SCALED_MM.backward(dy, q))
 
 
@@ -259,13 +245,13 @@ def test_scaled_mm_path_through_the_autograd_function(rowwise_scaled_mm, scaled_
     lin = nn.Linear(128, 64, bias=False)
     layer = QuantLinear.from_linear(lin, "fp8")
     packed = [layer.weight_data, layer.weight_scale]
-    x = _act((2 * 8, 128), 14, torch.bfloat16).view(2, 8, 128).requires_grad_()
+    x = outlier_channel_tokens((2 * 8, 128), 14, torch.bfloat16).view(2, 8, 128).requires_grad_()
     y = _QuantLinearFunction.apply(x, matmul.FP8_W8A8_SCALED_MM, layer.fmt, (64, 128), torch.float32, k_outliers,
                                    None, *packed)
     assert y.shape == (2, 8, 64) and y.dtype == torch.bfloat16
     ref = layer(x.detach())  # the CPU path: the emulated forward, same maths
     assert float((y.detach().float() - ref.float()).abs().max()) <= 2 ** -7 * float(ref.float().abs().max())
-    dy = _act((16, 64), 15, torch.bfloat16).view(2, 8, 64)
+    dy = outlier_channel_tokens((16, 64), 15, torch.bfloat16).view(2, 8, 64)
     y.backward(dy)
     assert torch.equal(x.grad.view(16, 128), matmul.FP8_W8A8_SCALED_MM.backward(dy.view(16, 64), layer.weight))
     assert len(scaled_mm) == 1  # the forward (the backward's is made by the native op, with the real kernel)
@@ -273,7 +259,7 @@ def test_scaled_mm_path_through_the_autograd_function(rowwise_scaled_mm, scaled_
 
 def test_quantize_rows_e4m3_reference_matches_fp8_weight_quantizer():
     """The activation quantizer is the fp8 weight quantizer applied per token (scales kept (T, 1))."""
-    x = _act((9, 80), 16, torch.bfloat16)
+    x = outlier_channel_tokens((9, 80), 16, torch.bfloat16)
     q, s = ops.quantize_rows_e4m3_reference(x)
     ref = quantize(x, "fp8").tensors
     assert torch.equal(q.view(torch.uint8), ref["data"].view(torch.uint8))
@@ -354,7 +340,7 @@ def test_layers_reading_one_x_quantize_it_once(quantized, request, route):
     layers = _qkv()
     assert layers[0].matmul_path() is (matmul.FP8_W8A8_SCALED_MM if route == "tensor_cores"
                                        else matmul.FP8_W8A8_EMULATED)
-    x = _act((16, 128), 21, torch.bfloat16).view(2, 8, 128).requires_grad_()
+    x = outlier_channel_tokens((16, 128), 21, torch.bfloat16).view(2, 8, 128).requires_grad_()
     ys = [layer(x) for layer in layers]
     assert len(quantized) == 1
     for layer, y in zip(layers, ys):
@@ -366,7 +352,8 @@ def test_layers_reading_one_x_quantize_it_once(quantized, request, route):
         matmul.forget_activation()
         ys2.append(layer(x2))
     assert len(quantized) == 4
-    dys = [_act((16, layer.out_features), 22 + i, torch.bfloat16).view(2, 8, -1) for i, layer in enumerate(layers)]
+    dys = [outlier_channel_tokens((16, layer.out_features), 22 + i, torch.bfloat16).view(2, 8, -1)
+           for i, layer in enumerate(layers)]
     dx, = torch.autograd.grad(ys, x, dys)
     dx2, = torch.autograd.grad(ys2, x2, dys)
     assert all(torch.equal(a, b) for a, b in zip(ys, ys2)) and torch.equal(dx, dx2)
@@ -374,7 +361,7 @@ def test_layers_reading_one_x_quantize_it_once(quantized, request, route):
 
 def test_an_x_written_in_place_is_quantized_again(quantized, tensor_cores):
     a, b, c = _qkv()
-    x = _act((16, 128), 23, torch.bfloat16)
+    x = outlier_channel_tokens((16, 128), 23, torch.bfloat16)
     a(x)
     x.view(-1)[5] = 7.0  # through a view: views share x's version counter
     y = b(x)
@@ -385,7 +372,8 @@ def test_an_x_written_in_place_is_quantized_again(quantized, tensor_cores):
     assert len(quantized) == 3 and torch.equal(y, _fresh(c, x))
     y = a(x)  # unchanged since: reused
     assert len(quantized) == 3 and torch.equal(y, _fresh(a, x))
-    x.data = _act((16, 128), 24, torch.bfloat16)  # storage swapped without a version bump: data_ptr changed
+    # storage swapped without a version bump: data_ptr changed
+    x.data = outlier_channel_tokens((16, 128), 24, torch.bfloat16)
     y = b(x)
     assert len(quantized) == 4 and torch.equal(y, _fresh(b, x))
 
@@ -399,7 +387,7 @@ def test_a_tensor_at_the_same_address_is_not_the_same_x(quantized, tensor_cores)
 
     def tensor_on_storage(seed):
         t = torch.empty(0, dtype=torch.bfloat16).set_(storage, 0, (16, 128), (128, 1))
-        return t.copy_(_act((16, 128), seed, torch.bfloat16))
+        return t.copy_(outlier_channel_tokens((16, 128), seed, torch.bfloat16))
 
     x = tensor_on_storage(25)
     a(x)
@@ -419,13 +407,13 @@ def test_what_is_never_shared(quantized, tensor_cores):
     """Outlier layers (each quantizes its own x with the outlier channels zeroed), inference-mode tensors, x after an
     in-place write, and anything after a backward through the C++ node (the forward is over: the copy goes)."""
     layers = _qkv(outliers=0.05)
-    x = _act((16, 128), 28, torch.bfloat16)
+    x = outlier_channel_tokens((16, 128), 28, torch.bfloat16)
     for layer in layers:
         layer(x)
     assert len(quantized) == 3 and not _kept()
     plain = _qkv()
     with torch.inference_mode():
-        xi = _act((16, 128), 29, torch.bfloat16)
+        xi = outlier_channel_tokens((16, 128), 29, torch.bfloat16)
         ys = [layer(xi) for layer in plain]
     assert len(quantized) == 6 and not _kept()
     assert all(torch.equal(y, _fresh(layer, xi)) for layer, y in zip(plain, ys))
@@ -444,7 +432,7 @@ def test_what_is_never_shared(quantized, tensor_cores):
 def test_path_is_looked_up_per_device_and_act_quant(quantized, tensor_cores):
     """QuantLinear keeps the path it selected per (device, act_quant): changing act_quant takes effect at once."""
     layer = _qkv()[0]
-    x = _act((16, 128), 30, torch.bfloat16)
+    x = outlier_channel_tokens((16, 128), 30, torch.bfloat16)
     layer(x)
     assert len(quantized) == 1 and layer._paths == {(torch.device("cpu"), None): matmul.FP8_W8A8_SCALED_MM}
     layer.act_quant = False

@@ -9,14 +9,9 @@ from trainstream_hf.quant import QuantLinear, dequantize, quantize
 from trainstream_hf.quant import matmul
 from trainstream_hf.quant.outliers import check_outliers, dequantize_columns, num_outliers, outlier_matmul, \
     select_outliers
+from tests.helpers import bits
 
 FORMATS = ["int8", "nf4", "fp8", "nvfp4"]
-
-
-
-
-def _bits(t):
-    return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def test_num_outliers_and_range():
@@ -40,7 +35,7 @@ def test_dequantize_columns_equals_dequantize(fmt, shape, dtype):
     idx = torch.tensor([0, 1, 63, shape[1] - 1, 17, 18, 2])  # both nibbles, block edges, unsorted
     got = dequantize_columns(q, idx, dtype)
     assert got.dtype == dtype and got.shape == (shape[0], len(idx))
-    assert torch.equal(_bits(got), _bits(dequantize(q, dtype)[:, idx]))
+    assert torch.equal(bits(got), bits(dequantize(q, dtype)[:, idx]))
 
 
 def test_select_outliers_finds_the_scaled_channels():
