@@ -14,6 +14,9 @@ margin fits the budget:
 4. weights, block by block (up in forward and again in backward, less the blocks still resident).
 
 ``print(plan)`` shows the table and the predicted peak; the engine reports the measured peak beside it.
+
+One file, past 600 lines: the memory model (:class:`Plan`'s moments), the measurements that feed it and the
+decisions that move things off the device have to agree byte for byte; they are read and changed together.
 """
 from __future__ import annotations
 

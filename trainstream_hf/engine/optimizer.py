@@ -22,6 +22,9 @@ and its copies instead of starting at ``step()``::
 
 The object *is* a ``torch.optim.Optimizer`` sharing the user's param-group dicts, so LR schedulers,
 ``state_dict()`` consumers and Trainer code treat it as the optimizer it wraps.
+
+One file, past 600 lines: the host step, its ordering against the device streams and the optimizer's state-dict
+and parameter-group bookkeeping act on the same per-parameter records; a split would pass those records around.
 """
 from __future__ import annotations
 
