@@ -78,8 +78,8 @@ sources += sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/runtime/
 sources += sorted(glob.glob("csrc/autograd/*.cpp"))  # autograd nodes in C++ (device-generic, dispatcher ops)
 define_macros = []
 opt = ["-O0", "-g"] if debug else ["-O3"]
-# -g0: Python's own CFLAGS carry -g; the ATen-heavy units then take ~40% longer to compile and the extension is ~30x
-# larger, for debug information only DEBUG=1 builds use.
+# -g0: Python's own CFLAGS carry -g; with it an ATen-heavy unit takes ~40% longer to compile and its object file is
+# ~30x larger (benchmarks/NOTES.md, 2026-12-06), for debug information only DEBUG=1 builds use.
 cxx_flags = opt + ([] if debug else ["-g0"]) + ["-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
 nvcc_flags = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
 if debug:
