@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads the Python 3.12 x86-64 wheels of Unsloth and the pins it needs (trl <= 1.15, datasets < 5, ...) into
 # DEST (default .whl-unsloth), apart from .whl: its pins conflict with the test suite's trl and datasets, so the
-# benchmark table installs them into a folder of their own (scripts/gpu_check.sh, UNSLOTH=1) and only the Unsloth
+# benchmark table installs them into a folder of their own (scripts/gpu_table.sh) and only the Unsloth
 # rows' processes see it, through PYTHONPATH (trainstream_hf.bench.unsloth).
 # Usage: scripts/unsloth-wheels.sh [DEST]
 set -euo pipefail

@@ -1,7 +1,7 @@
 """Unsloth's rows of the benchmark table: its own 4-bit loader and LoRA, on the table's seeded weights and batch.
 
 Unsloth (2026.10.9) pins trl <= 1.15, datasets < 5 and transformers <= 5.17, which the test suite's trl and datasets
-do not meet, so it lives in a folder of its own (``scripts/unsloth-wheels.sh`` downloads it; ``scripts/gpu_check.sh``
+do not meet, so it lives in a folder of its own (``scripts/unsloth-wheels.sh`` downloads it; ``scripts/gpu_table.sh``
 installs it and exports ``TRAINSTREAM_UNSLOTH_SITE``). Only the processes of these rows see it: the table puts the
 folder first on their ``PYTHONPATH`` with ``HF_HUB_OFFLINE=1`` (:func:`child_env`).
 
@@ -102,7 +102,7 @@ def unsloth_lora(shape: str = "llama3-8b", grad_ckpt: bool = False, *, batch: in
         return not_run(name, "Unsloth needs a CUDA GPU", **fields)
     if importlib.util.find_spec("unsloth") is None:
         return not_run(name, f"unsloth is not importable: run scripts/unsloth-wheels.sh, install the folder with "
-                             f"pip --target DIR and set {SITE_ENV}=DIR (scripts/gpu_check.sh does both)", **fields)
+                             f"pip --target DIR and set {SITE_ENV}=DIR (scripts/gpu_table.sh does both)", **fields)
     path = saved_model(shape, seed)
     import unsloth  # noqa: F401  - before transformers, as Unsloth asks
     from unsloth import FastLanguageModel
