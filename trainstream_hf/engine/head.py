@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from trainstream_hf.engine.tiled import recompute_in_chunks
+
 __all__ = ["chunked_causal_lm_loss", "CHUNK_BYTES", "FusedHead", "fused_head_bytes", "fused_head_loss",
            "FUSED_MIN_BYTES"]
 
@@ -151,22 +153,11 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, target, *params = ctx.saved_tensors
-        rows = ctx.rows
-        d_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        d_params: list = [None] * len(params)
-        for s in range(0, hidden.shape[0], rows):
-            with torch.enable_grad():
-                h = hidden[s:s + rows].detach().requires_grad_(d_hidden is not None)
-                loss = F.cross_entropy(ctx.head(h).float(), target[s:s + rows], ignore_index=ctx.ignore_index,
-                                       reduction="sum")
-                wrt = ([h] if d_hidden is not None else []) + list(params)
-                got = list(torch.autograd.grad(loss, wrt, grad, allow_unused=True))
-            if d_hidden is not None:
-                d_hidden[s:s + rows] = got.pop(0)
-            for i, g in enumerate(got):
-                if g is not None:
-                    d_params[i] = g if d_params[i] is None else d_params[i].add_(g)
-            del loss, got, h
+        d_hidden, d_params = recompute_in_chunks(
+            hidden, params, ctx.rows,
+            lambda h, s, e: F.cross_entropy(ctx.head(h).float(), target[s:e], ignore_index=ctx.ignore_index,
+                                            reduction="sum"),
+            lambda s, e: grad, ctx.needs_input_grad[0])
         return (d_hidden, None, None, None, None, *d_params)
 
 

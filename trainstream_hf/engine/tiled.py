@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-__all__ = ["TiledMLP", "MIN_BYTES", "TILE_BYTES"]
+__all__ = ["TiledMLP", "MIN_BYTES", "TILE_BYTES", "recompute_in_chunks"]
 
 MIN_BYTES = 1 << 30  # "auto": an MLP call whose intermediate (tokens x intermediate_size) reaches this is tiled
 TILE_BYTES = 256 << 20  # one tile's intermediate (tokens x intermediate_size) in the activations' dtype
@@ -48,22 +48,31 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, *params = ctx.saved_tensors
-        rows = ctx.rows
-        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        dparams: list = [None] * len(params)
-        for s in range(0, x.shape[0], rows):
-            with torch.enable_grad():
-                xt = x[s:s + rows].detach().requires_grad_(dx is not None)
-                out = ctx.forward(xt)
-                wrt = ([xt] if dx is not None else []) + list(params)
-                got = list(torch.autograd.grad(out, wrt, grad[s:s + rows], allow_unused=True))
-            if dx is not None:
-                dx[s:s + rows] = got.pop(0)
-            for i, g in enumerate(got):
-                if g is not None:
-                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
-            del out, got, xt
+        dx, dparams = recompute_in_chunks(x, params, ctx.rows, lambda xt, s, e: ctx.forward(xt),
+                                          lambda s, e: grad[s:e], ctx.needs_input_grad[0])
         return (dx, None, None, *dparams)
+
+
+def recompute_in_chunks(x, params, rows: int, forward, grad_of, need_dx: bool):
+    """The backward of a row-wise function recomputed one chunk of rows at a time: ``forward(xt, s, e)`` gives rows
+    ``s:e``'s output from their input ``xt`` (a leaf), ``grad_of(s, e)`` its gradient. Returns the input's gradient
+    (None unless ``need_dx``) and each of ``params``' gradient summed over the chunks (None where unused)."""
+    dx = torch.empty_like(x) if need_dx else None
+    dparams: list = [None] * len(params)
+    for s in range(0, x.shape[0], rows):
+        e = min(s + rows, x.shape[0])
+        with torch.enable_grad():
+            xt = x[s:e].detach().requires_grad_(need_dx)
+            out = forward(xt, s, e)
+            got = list(torch.autograd.grad(out, ([xt] if need_dx else []) + list(params), grad_of(s, e),
+                                           allow_unused=True))
+        if need_dx:
+            dx[s:e] = got.pop(0)
+        for i, g in enumerate(got):
+            if g is not None:
+                dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+        del out, got, xt
+    return dx, dparams
 
 
 def _takes(block: nn.Module) -> nn.Module | None:
