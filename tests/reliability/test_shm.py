@@ -188,6 +188,10 @@ def _rank(rank: int, store: str) -> None:
         peers.allocate(SIZES, pin=False)
     except RuntimeError as e:  # the collective after the dead process's part
         print(type(e).__name__, flush=True)
+    finally:
+        # Gloo's worker threads left to interpreter finalization can abort the process (SIGABRT, "terminate called
+        # without an active exception"): leave the group while the interpreter is whole.
+        dist.destroy_process_group()
 
 
 def _stall(k, mine):
