@@ -3,7 +3,7 @@
 # Builds for sm_90, then runs each step under its own time limit; logs to /tmp/gpu-round, and only the JSON
 # results plus one summary.log come back in $OUT (the device tool returns few files).
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
-#                                                                   fp8_host fp8_profile diag_split recipe_8b recipe_70b tests
+#                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -13,7 +13,7 @@ SUM="$OUT/summary.log"
 echo "# bash scripts/gpu_round.sh $*  (commit ${TRAINSTREAM_COMMIT:-unknown}, $(date -u +%FT%TZ))" > "$SUM"
 say() { echo "== $* ($(date -u +%H:%M:%S))" | tee -a "$SUM"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$L/wheels.log" 2>&1
-export PYTHONPATH=$PWD:$PWD/scripts:/tmp/site
+export PYTHONPATH=$PWD:/tmp/site
 say build
 TRAINSTREAM_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$L/build.log" 2>&1 \
   || { tail -30 "$L/build.log" | tee -a "$SUM"; exit 1; }
@@ -36,10 +36,9 @@ for s in "$@"; do case $s in
   quant) run 120 quant $B quant --peers bf16,bnb_nf4,nf4,fp8,fp8_outliers,nvfp4,dequant --out "$OUT" --name "quant-$GPU-$SHA" ;;
   quant_untuned) TRAINSTREAM_FP8_GEMM_TUNE=0 run 60 quant_untuned $B quant --peers bf16,fp8 --out "$OUT" \
       --name "quant-fp8-untuned-$GPU-$SHA" ;;
-  fp8_host) run 90 fp8_host python3 scripts/host_fp8.py; cp "$L/fp8_host.log" "$OUT/host-fp8-$GPU-$SHA.json" ;;
-  fp8_profile) OUT= run 90 fp8_profile python3 scripts/profile_quant.py fp8
-      cp "$L/fp8_profile.log" "$OUT/profile-quant-fp8-$GPU-$SHA.txt" ;;
-  diag_split) run 60 diag_split python3 scripts/diag_split.py ;;
+  fp8_profile) run 90 fp8_profile $B quant --peers bf16,fp8 --profile 5 --out "$OUT" --name "profile-quant-fp8-$GPU-$SHA" ;;
+  profile_8b) run 400 profile_8b $B table --peers ts_nf4,peft_uncapped --warmup 2 --repeats 3 --profile 2 \
+      --out "$OUT" --name "profile-table-$GPU-$SHA" ;;
   recipe_8b) run 200 recipe_8b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
       --config configs/llama3-8b-lora-nf4-24gib.yaml --train.steps 12 --output_dir /tmp/sft8b
       cp /tmp/sft8b/summary.json "$OUT/sft-llama3-8b-nf4-$GPU-$SHA.json" ;;

@@ -193,7 +193,7 @@ def test_offloaded_layers_hold_no_device_memory():
     assert saved >= 0.9 * (8 - 2) * per_layer, (ref_peak, peak, per_layer)
     # Tokens: the first (the prefill's) only. At this size the model's own decode is not bit-reproducible on an H100
     # (DynamicCache against itself parted at step 25 of 32 at a near-tie, deterministic algorithms on or off,
-    # scripts/diag_cache.py, 2026-12-06); exactness is tested on K/V (test_prefill_into_reused_slots_keeps_every_
+    # 2026-12-06, benchmarks/NOTES.md); exactness is tested on K/V (test_prefill_into_reused_slots_keeps_every_
     # layers_kv, test_update_exact_under_a_slow_compute_stream) and on tokens at smaller sizes.
     assert torch.equal(toks[:, 0], ref_toks[:, 0])
 

@@ -4,19 +4,22 @@ Suites: micro (foundation micro-benchmarks); peers (PEFT, bitsandbytes, torch, D
 engine (the peers plus trainstream.wrap under the same VRAM budget, in one run); quant (QuantLinear per format
 beside bf16 nn.Linear and bitsandbytes NF4 on one block's linear layers, and dequantize bandwidth); sqnr
 (quantization SQNR of a real pretrained model's linear layers, on the CPU); table (one LoRA step of an 8B-class
-model, every trainstream format and peer in a process of its own under one VRAM cap: the README's table).
+model, every trainstream format and peer in a process of its own under one VRAM cap: the README's table); host (the
+host side of a step, Python, dispatch and autograd, on the CPU).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import torch
 
 from trainstream_hf.bench import common
+from trainstream_hf.bench.host import ROWS as HOST_ROWS
 from trainstream_hf.bench.table import ROWS as TABLE_ROWS
 
-SUITES = ("micro", "peers", "engine", "quant", "sqnr", "table")
+SUITES = ("micro", "peers", "engine", "quant", "sqnr", "table", "host")
 
 
 def main(argv=None) -> None:
@@ -42,7 +45,7 @@ def main(argv=None) -> None:
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); engine: those and ts_lora,ts_nf4,"
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
                        "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: "
-                       + ",".join(TABLE_ROWS))
+                       + ",".join(TABLE_ROWS) + "; host: " + ",".join(HOST_ROWS))
     peers.add_argument("--longest", action="store_true",
                        help="table: instead of the step table, the longest sequence each row trains at under the cap "
                             "(doubling from --seq, default 8192, then bisecting to 4096 tokens; shape default "
@@ -54,11 +57,23 @@ def main(argv=None) -> None:
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() before each row's timed steps (every row alike); rows always report their "
                              "Python GC collections and pause time (python_gc)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="peers, engine, quant, table: after its timed steps, each row runs N more under "
+                             "torch.profiler; its JSON gets their top CUDA kernels (or CPU operators) per step and the "
+                             "GPU's busy time against the wall time, and the markdown a table of them per row")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile: also write each row's Chrome trace (gzipped) beside the JSON")
     args = parser.parse_args(argv)
     common.ARGV = list(argv) if argv is not None else None  # the JSON's "command"
-    if args.gc_freeze:
-        from trainstream_hf.bench import harness
-        harness.GC_FREEZE = True
+    if args.profile < 0:
+        parser.error(f"--profile {args.profile}: give a number of steps >= 1 (0: no profile)")
+    if args.trace and not args.profile:
+        parser.error("--trace writes the traces of --profile's steps: give --profile N too")
+    from trainstream_hf.bench import harness
+    harness.GC_FREEZE = args.gc_freeze
+    harness.PROFILE_STEPS = args.profile
+    harness.PROFILE_TRACES = os.path.abspath(os.path.join(args.out or common.RESULTS_DIR, "traces")) \
+        if args.trace else None
     where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
         if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
     suite = "sqnr-minilm" if args.suite == "sqnr" else "table-longest" if args.longest else args.suite
@@ -90,6 +105,9 @@ def main(argv=None) -> None:
     elif args.suite == "sqnr":
         from trainstream_hf.bench import sqnr
         payload, md = sqnr.run()
+    elif args.suite == "host":
+        from trainstream_hf.bench import host
+        payload, md = host.run(quick=args.quick, rows=args.peers.split(",") if args.peers else None)
     elif args.suite == "table" and args.longest:
         from trainstream_hf.bench import table
         tiny = args.quick or args.shape == "tiny"
@@ -108,6 +126,9 @@ def main(argv=None) -> None:
             repeats=args.repeats or (3 if args.quick else 10), vram_budget_gib=args.vram_budget_gib,
             rows=args.peers.split(",") if args.peers else None, row_timeout=args.row_timeout, on_row=on_row)
     path = common.write_json(name, payload, args.out)
+    if args.profile:
+        profiled = harness.profile_markdown(payload.get("results") or payload.get("rows") or [])
+        md += f"\n\n{profiled}" if profiled else ""
     print(md)
     print(f"\nJSON: {path}")
 

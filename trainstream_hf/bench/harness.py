@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import gzip
+import os
+import re
+import shutil
 import time
 from typing import Callable, Optional
 
@@ -58,6 +62,96 @@ def is_oom(err: BaseException) -> bool:
     # Some libraries re-raise allocation failures as plain RuntimeErrors (cuBLAS, NCCL, bitsandbytes).
     return isinstance(err, torch.OutOfMemoryError) or (
         isinstance(err, RuntimeError) and ("out of memory" in str(err).lower() or "ALLOC_FAILED" in str(err)))
+
+
+# ``--profile N``: after its timed steps, each row runs N more under torch.profiler (:func:`profile_steps`); the
+# row's ``profile`` holds where they spent their time, and with PROFILE_TRACES a directory, their Chrome trace.
+PROFILE_STEPS = 0
+PROFILE_TRACES: Optional[str] = None
+
+
+def busy_us(events) -> float:
+    """The union of the CUDA kernels' intervals in a profiler trace (any stream; copies and memsets left out): the
+    time the GPU computed, in microseconds."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
+                   and "Memset" not in e.name)
+    busy, start, end = 0.0, None, None
+    for s, e in spans:
+        if end is None or s > end:
+            if end is not None:
+                busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return busy + (end - start if end is not None else 0.0)
+
+
+def profile_steps(step: Step, device: torch.device, steps: int, *, top: int = 20,
+                  trace: Optional[str] = None) -> dict:
+    """Runs ``steps`` more steps under torch.profiler; where they spent their time, per step.
+
+    Returns:
+        ``{"steps", "wall_ms", "kernel_busy_ms" (CUDA; None on the CPU), "kernels": [{"name", "ms", "calls"}]
+        (the ``top`` CUDA kernels by total time), "cpu_ops": [...] (the ``top`` operators by self CPU time),
+        "trace"}`` with every time and count per step; ``trace`` is the gzipped Chrome trace written (None without
+        ``trace``, a path ending in ``.json.gz``).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    kernels: dict[str, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.time_range.elapsed_us()
+            k[1] += 1
+    ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]
+    out = {"steps": steps, "wall_ms": wall * 1e3 / steps,
+           "kernel_busy_ms": busy_us(events) / 1e3 / steps if cuda else None,
+           "kernels": [{"name": n, "ms": t / 1e3 / steps, "calls": c / steps}
+                       for n, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
+           "cpu_ops": [{"name": a.key, "self_cpu_ms": a.self_cpu_time_total / 1e3 / steps, "calls": a.count / steps}
+                       for a in ops],
+           "trace": None}
+    if trace:
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+        raw = trace[:-len(".gz")] if trace.endswith(".gz") else trace
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(raw)
+        out["trace"] = raw + ".gz"
+    return out
+
+
+def profile_markdown(rows: list[dict], top: int = 8) -> str:
+    """Each profiled row's top kernels (CUDA) or CPU operators, as markdown."""
+    parts = []
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        title = r.get("label") or r.get("name") or r.get("row")
+        busy = p["kernel_busy_ms"]
+        head = f"**{title}**: {p['wall_ms']:.1f} ms per profiled step" + (
+            f", GPU kernels busy {busy:.1f} ms ({100 * busy / p['wall_ms']:.0f}%)" if busy is not None else "")
+        if p["kernels"]:
+            lines = [f"| {k['ms']:.2f} ms | {k['calls']:g} | {k['name'][:100]} |" for k in p["kernels"][:top]]
+            parts.append(f"{head}\n\n| kernel time | calls | kernel |\n|---|---|---|\n" + "\n".join(lines))
+        else:
+            lines = [f"| {o['self_cpu_ms']:.2f} ms | {o['calls']:g} | {o['name'][:100]} |" for o in p["cpu_ops"][:top]]
+            parts.append(f"{head}\n\n| self CPU | calls | operator |\n|---|---|---|\n" + "\n".join(lines))
+    return "\n\n".join(parts)
 
 
 # ``--gc-freeze``: move every object alive after warm-up out of the cyclic GC's reach for the timed steps (for every
@@ -111,7 +205,7 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
            "vram_budget": vram_budget, "status": "ok"}
     losses: list = []
     cuda = device.type == "cuda"
-    step = close = None
+    step = raw_step = close = None
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -120,9 +214,9 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             build()
         free_memory()
         with vram_cap(vram_budget, device):
-            step, close = setup()
+            raw_step, close = setup()
             out["setup_s"] = time.perf_counter() - t0
-            step = _keeping_losses(step, losses)
+            step = _keeping_losses(raw_step, losses)
             for _ in range(warmup):
                 step()
             if cuda:
@@ -131,6 +225,12 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             with python_gc_counted(out, freeze=GC_FREEZE):
                 out["step_s"] = median_time(step, repeats=repeats, warmup=0, cuda=cuda)
             out["tokens_per_s"] = tokens / out["step_s"] if tokens else None
+            if PROFILE_STEPS:
+                trace = None
+                if PROFILE_TRACES:
+                    trace = os.path.join(PROFILE_TRACES, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+                                         + ".json.gz")
+                out["profile"] = profile_steps(raw_step, device, PROFILE_STEPS, trace=trace)
     except Exception as err:  # noqa: BLE001 - an OOM is a result; anything else propagates
         if not is_oom(err):
             raise
@@ -144,7 +244,7 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             out["losses"] = [float(v) for v in losses]
         if close is not None:
             close()
-        step = close = None
+        step = raw_step = close = None
         losses.clear()
         free_memory()
     return {"name": name, **(fields or {}), **out}

@@ -77,7 +77,7 @@ def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
     with tempfile.TemporaryDirectory(prefix="trainstream-table-") as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, "-m", "trainstream_hf.bench.table", "--child", row, "--json", out,
-               "--child-args", json.dumps(args)]
+               "--child-args", json.dumps(args), "--harness", json.dumps(harness_settings())]
         env = None
         if row in UNSLOTH:
             from trainstream_hf.bench.unsloth import child_env
@@ -95,6 +95,13 @@ def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
             result = json.load(f)
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def harness_settings() -> dict:
+    """The harness's process-wide settings (``--gc-freeze``, ``--profile``), for a row's child process."""
+    from trainstream_hf.bench import harness
+    return {"GC_FREEZE": harness.GC_FREEZE, "PROFILE_STEPS": harness.PROFILE_STEPS,
+            "PROFILE_TRACES": harness.PROFILE_TRACES}
 
 
 def _rows_and_budget(rows: Optional[list[str]], vram_budget_gib: float) -> tuple[list[str], Optional[int]]:
@@ -266,6 +273,7 @@ def main(argv=None) -> None:
     parser.add_argument("--child", choices=sorted(ROWS))
     parser.add_argument("--json")
     parser.add_argument("--child-args")
+    parser.add_argument("--harness", default="{}", help="the harness settings of the parent (harness_settings)")
     a = parser.parse_args(argv)
     if a.readme:
         write_readme(a.readme)
@@ -273,6 +281,9 @@ def main(argv=None) -> None:
     if not (a.child and a.json and a.child_args):
         parser.error("give --readme JSON, or --child ROW --json OUT --child-args ARGS (python -m trainstream_hf.bench "
                      "table runs the whole table)")
+    from trainstream_hf.bench import harness
+    for key, value in json.loads(a.harness).items():
+        setattr(harness, key, value)
     result = run_row(a.child, **json.loads(a.child_args))
     with open(a.json, "w") as f:
         json.dump(result, f)
