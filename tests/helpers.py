@@ -183,3 +183,20 @@ def png_panels(run_dir, summary: dict) -> int:
     width = struct.unpack(">I", data[16:20])[0]
     assert width % 460 == 0, width
     return width // 460
+
+
+def cuda_median_ms(fn, warmup: int = 5, repeats: int = 30) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events), after ``warmup`` untimed calls."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

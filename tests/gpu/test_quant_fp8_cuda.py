@@ -3,7 +3,6 @@ bit; the FP8 tensor-core matmul path (torch._scaled_mm, trainstream_hf/quant/mat
 forward and backward; no host sync; GB/s of the new kernels against a device-to-device copy and the time split of
 the FP8 path (printed: ``pytest -s -k bandwidth``, or ``python tests/gpu/test_quant_fp8_cuda.py``).
 """
-import statistics
 import time
 
 import pytest
@@ -13,7 +12,8 @@ from torch import nn
 from trainstream_hf import ops
 from trainstream_hf.quant import QuantLinear, dequantize, quantize
 from trainstream_hf.quant import matmul
-from tests.helpers import assert_same_bits, bits, column_scale, outlier_channel_tokens, randn_outliers, rel_err
+from tests.helpers import (assert_same_bits, bits, column_scale, cuda_median_ms, outlier_channel_tokens,
+                           randn_outliers, rel_err)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROWWISE = {
@@ -488,20 +488,6 @@ def test_backward_frees_the_transposed_weight():
 # kernel that silently fell onto its unvectorised path) and the FP8 path's time split (printed)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _median_ms(fn, warmup=5, repeats=30):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure_bandwidth(shape=(4096, 14336), dtype=torch.bfloat16, seed=0):
     """GB/s of the int8 / FP8 dequantize kernels (codes + scales read, weight written), of the pure-PyTorch references
     they replace, of the E4M3 row quantizer (x read, codes + scales written), and of a device-to-device copy of the
@@ -509,17 +495,17 @@ def measure_bandwidth(shape=(4096, 14336), dtype=torch.bfloat16, seed=0):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
     out_bytes = w.numel() * w.element_size()
     src, dst = torch.empty_like(w), torch.empty_like(w)
-    results = {"copy": 2 * out_bytes / _median_ms(lambda: dst.copy_(src)) / 1e6}
+    results = {"copy": 2 * out_bytes / cuda_median_ms(lambda: dst.copy_(src)) / 1e6}
     for fmt, (quant, deq) in ROWWISE.items():
         data, scale = quant(w)
         moved = data.numel() * data.element_size() + scale.numel() * 4 + out_bytes
-        results[f"dequantize_{fmt}"] = moved / _median_ms(lambda: deq(data, scale, dtype)) / 1e6
+        results[f"dequantize_{fmt}"] = moved / cuda_median_ms(lambda: deq(data, scale, dtype)) / 1e6
         ref = getattr(ops, f"dequantize_{fmt}_reference")
-        results[f"dequantize_{fmt}_reference"] = moved / _median_ms(lambda: ref(data, scale, dtype)) / 1e6
+        results[f"dequantize_{fmt}_reference"] = moved / cuda_median_ms(lambda: ref(data, scale, dtype)) / 1e6
     moved = out_bytes + w.numel() + 4 * shape[0]
-    results["quantize_rows_e4m3"] = moved / _median_ms(lambda: ops.quantize_rows_e4m3(w)) / 1e6
+    results["quantize_rows_e4m3"] = moved / cuda_median_ms(lambda: ops.quantize_rows_e4m3(w)) / 1e6
     results["quantize_rows_e4m3_reference"] = \
-        moved / _median_ms(lambda: ops.quantize_rows_e4m3_reference(w)) / 1e6
+        moved / cuda_median_ms(lambda: ops.quantize_rows_e4m3_reference(w)) / 1e6
     print(f"\n| {shape[0]}x{shape[1]} {dtype} | GB/s | vs copy |\n|---|---|---|")
     for name, gbs in results.items():
         print(f"| {name} | {gbs:.0f} | {gbs / results['copy']:.2f} |")
@@ -553,7 +539,7 @@ def measure_fp8_path(t=2048, k=4096, n=4096, dtype=torch.bfloat16):
     print(f"\n| T={t} K={k} N={n} {dtype} | ms | TFLOP/s |\n|---|---|---|")
     out = {}
     for name, fn in rows.items():
-        out[name] = ms = _median_ms(fn)
+        out[name] = ms = cuda_median_ms(fn)
         print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
     return out
 

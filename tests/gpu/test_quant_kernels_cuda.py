@@ -3,13 +3,12 @@ fp16, dequantize to fp32 / bf16 / fp16, over shapes with partial double-quantisa
 warps, edge cases and misaligned inputs; opcheck on CUDA inputs; no host sync; dequantize GB/s against a
 device-to-device copy (printed: ``pytest -s -k bandwidth``, or ``python tests/gpu/test_quant_kernels_cuda.py``).
 """
-import statistics
 
 import pytest
 import torch
 
 from trainstream_hf import ops
-from tests.helpers import assert_same_bits, randn_outliers
+from tests.helpers import assert_same_bits, cuda_median_ms, randn_outliers
 
 NATIVE = {
     "nf4": (ops.quantize_nf4, ops.dequantize_nf4),
@@ -135,31 +134,17 @@ def test_no_host_sync(fmt):
 # Bandwidth (reported, not asserted: the issue's >= 70% target is judged by the benchmark suite)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _median_ms(fn, warmup=5, repeats=30):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure_dequant_bandwidth(shape=(4096, 14336), dtype=torch.bfloat16, seed=0):
     """GB/s of each dequantize kernel (packed + scale bytes read, weight bytes written) and of a device-to-device
     copy of the output's bytes (read + write), on the current GPU. Returns {name: GB/s} and prints a table."""
     w = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
     out_bytes = w.numel() * w.element_size()
     src, dst = torch.empty_like(w), torch.empty_like(w)
-    results = {"copy": 2 * out_bytes / _median_ms(lambda: dst.copy_(src)) / 1e6}
+    results = {"copy": 2 * out_bytes / cuda_median_ms(lambda: dst.copy_(src)) / 1e6}
     for fmt, (quant, deq) in NATIVE.items():
         q = quant(w)
         moved = sum(t.numel() * t.element_size() for t in q) + out_bytes
-        results[f"dequantize_{fmt}"] = moved / _median_ms(lambda: deq(*q, dtype=dtype)) / 1e6
+        results[f"dequantize_{fmt}"] = moved / cuda_median_ms(lambda: deq(*q, dtype=dtype)) / 1e6
     print(f"\n| {shape[0]}x{shape[1]} -> {dtype} | GB/s | vs copy |\n|---|---|---|")
     for name, gbs in results.items():
         print(f"| {name} | {gbs:.0f} | {gbs / results['copy']:.2f} |")

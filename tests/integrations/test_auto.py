@@ -299,6 +299,8 @@ def test_after_quantize_the_users_model_dequantizes_merges_and_saves(tmp_path, w
             callbacks=[cb]).train()
     base = model.get_base_model()
     assert base.is_quantized and base.config.quantization_config.quantize == "nf4"
+    assert base.config._is_quantized and base.is_loaded_in_8bit  # as transformers' postprocess_model leaves a loaded one
+    assert base.hf_quantizer.targets == {n for n, m in base.named_modules() if isinstance(m, QuantLinear)}
     ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(4))
     if way_back == "merge":
         merged = model.merge_and_unload()  # q/v dense with their LoRA delta; the layers without adapters stay packed

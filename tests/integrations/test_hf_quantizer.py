@@ -13,16 +13,13 @@ peft = pytest.importorskip("peft")
 from peft import get_peft_model  # noqa: E402
 
 from trainstream_hf.integrations.peft import quant_lora_config  # noqa: E402
-from tests.helpers import scale_input_channels  # noqa: E402
+from tests.helpers import scale_input_channels, tiny_llama  # noqa: E402
 
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         tie_word_embeddings=False))
+    model = tiny_llama(hidden=128, vocab=256, positions=64, tie_word_embeddings=False)
     scale_input_channels(model, every=29, factor=6.0)  # outlier input channels
     path = tmp_path_factory.mktemp("llama")
     model.to(torch.bfloat16).save_pretrained(path)

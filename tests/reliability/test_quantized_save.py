@@ -6,8 +6,9 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
+from tests.helpers import tiny_llama
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig
 from trainstream_hf.quant import QuantLinear
 
@@ -17,10 +18,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         tie_word_embeddings=False))
+    model = tiny_llama(hidden=128, vocab=256, positions=64, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("llama")
     model.to(torch.bfloat16).save_pretrained(path)
     return path

@@ -228,13 +228,16 @@ class TrainStreamHfQuantizer(HfQuantizer):
             in_features = m.weight.shape[0] if _is_conv1d(m) else m.in_features
             if in_features % fmt.in_features_multiple:
                 bad.append(f"{name} (in_features={in_features})")
-            self.targets.add(name)
-            if _is_conv1d(m):
-                self.conv1d.add(name)
+            self._target(name, m)
         if bad:
             raise ValueError(f"trainstream: {fmt.name} needs in_features to be a multiple of "
                              f"{fmt.in_features_multiple}; these layers are not: {', '.join(bad)}. Add them to "
                              f"TrainStreamQuantizationConfig(skip=...), or use int8 or fp8 (any width).")
+
+    def _target(self, name: str, m: nn.Module) -> None:
+        self.targets.add(name)
+        if _is_conv1d(m):
+            self.conv1d.add(name)
 
     def _pick_saved(self, model: nn.Module, names: list[str]) -> None:
         """The layers a checkpoint's config lists as packed; each must be a linear layer of this model."""
@@ -247,9 +250,7 @@ class TrainStreamHfQuantizer(HfQuantizer):
             if m is None or not _is_target(m):
                 wrong.append(name)
                 continue
-            self.targets.add(name)
-            if _is_conv1d(m):
-                self.conv1d.add(name)
+            self._target(name, m)
         if wrong:
             raise ValueError(f"trainstream: the checkpoint's quantization_config lists packed layers that are not "
                              f"linear layers of {type(model).__name__}: {', '.join(wrong[:4])}"
@@ -413,11 +414,17 @@ def mark_quantized(model: nn.Module, config: TrainStreamQuantizationConfig) -> b
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel) or getattr(base, "hf_quantizer", None) is not None:
         return False
-    base.hf_quantizer = TrainStreamHfQuantizer(config)
+    quantizer = TrainStreamHfQuantizer(config)
+    for name, m in base.named_modules():  # the layers it would have packed
+        if isinstance(m, QuantLinear):
+            quantizer._target(name, m)
+    # What from_pretrained does around loading, minus the conversion (the layers are packed already):
+    # preprocess_model's two attributes, then the quantizer's own postprocess_model (config.quantization_config, the
+    # configs' _is_quantized, the packed layers' checks, the k-bit flag), then the quantizer on the model.
     base.is_quantized = True
     base.quantization_method = QUANT_METHOD
-    base.config.quantization_config = config
-    setattr(base, KBIT_FLAG, True)
+    quantizer.postprocess_model(base)
+    base.hf_quantizer = quantizer
     return True
 
 
