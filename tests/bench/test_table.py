@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainstream_hf.bench import table
 from trainstream_hf.bench.__main__ import main
@@ -129,3 +130,32 @@ def test_the_unsloth_checkpoint_holds_the_tables_weights(tmp_path, monkeypatch):
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
     built = build_model("tiny", torch.bfloat16, "cpu", 3).state_dict()
     assert loaded.keys() == built.keys() and all(torch.equal(loaded[k], built[k]) for k in built)
+
+
+def test_model_flops_count_every_linear_weight_and_causal_attention():
+    """lora_step_flops against the model's own parameter counts: 2 x 2 FLOPs per frozen linear weight per token (the
+    forward and the input gradient), 6 per adapter weight, 3 x causal attention's two products."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainstream_hf.bench.models import build_model, lora_step_flops, model_config
+
+    cfg = model_config("llama3.1-8b")
+    model = build_model("llama3.1-8b", device="meta")
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    adapters = sum(p.numel() for n, p in get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
+                   .named_parameters() if "lora_" in n)
+    batch, seq = 2, 1024
+    attention = cfg.num_hidden_layers * batch * 2 * seq * seq * cfg.hidden_size  # causal: half of 2 products
+    want = 4 * batch * seq * linear + 6 * batch * seq * adapters + 3 * attention
+    assert lora_step_flops("llama3.1-8b", batch, seq) == want
+
+
+def test_mfu_is_reported_only_where_the_peak_is_known():
+    from trainstream_hf.bench.common import peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == peak_bf16_flops("NVIDIA H200") == 989.5e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756.5e12 and peak_bf16_flops("cpu") is None
+    rows = [{"row": "a", "label": "a", "status": "ok", "step_s": 0.5}, {"row": "b", "label": "b", "status": "oom"}]
+    got = table.summarize(rows, {"model_flops_per_step": 1e14, "peak_bf16_flops": 1e15})
+    assert got[0]["mfu"] == pytest.approx(0.2) and got[1]["mfu"] is None
+    assert table.summarize(rows, {"model_flops_per_step": 1e14, "peak_bf16_flops": None})[0]["mfu"] is None

@@ -56,6 +56,19 @@ def _driver_version() -> str | None:
         return None
 
 
+# Dense bf16 tensor-core peak FLOP/s by GPU name (the datasheets' figures "with sparsity", halved): NVIDIA H100
+# Tensor Core GPU datasheet (SXM 1,979 TFLOPS, PCIe 1,513, NVL 1,671) and NVIDIA H200 datasheet (1,979).
+PEAK_BF16_DENSE = (("H200", 989.5e12), ("H100 PCIe", 756.5e12), ("H100 NVL", 835.5e12), ("H100", 989.5e12))
+
+
+def peak_bf16_flops(gpu_name: str | None) -> float | None:
+    """The dense bf16 peak of the GPU called ``gpu_name`` (``torch.cuda.get_device_name``), None when unknown."""
+    for key, flops in PEAK_BF16_DENSE:
+        if gpu_name and key in gpu_name:
+            return flops
+    return None
+
+
 def median_time(fn: Callable[[], None], *, repeats: int = 10, warmup: int = 2, cuda: bool = False) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs (CUDA events when ``cuda``)."""
     for _ in range(warmup):

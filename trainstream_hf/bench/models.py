@@ -104,3 +104,27 @@ def make_batch(batch: int, seq: int, vocab: int, device: str | torch.device = "c
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def lora_step_flops(shape: str, batch: int, seq: int, r: int = 16) -> float:
+    """Model FLOPs of one training step of LoRA rank ``r`` on every linear layer of the decoder blocks over a frozen
+    base of ``shape`` (the table's step), counted from the shape, not from any implementation: recomputation and
+    dequantization are not model FLOPs.
+
+    Forward: 2 FLOPs per weight per token for each linear layer (the blocks' and ``lm_head``) and causal attention's
+    two products (``QK^T`` and ``PV``, half of the square each: ``2 * seq^2 * heads * head_dim`` per layer and
+    sequence). Backward: the frozen linear layers need only their input gradient (1x their forward), attention its
+    three operands' gradients (2x), the adapters their input and weight gradients (2x): in all 2x the linear layers'
+    forward, 3x attention's, and ``6 * tokens`` per adapter parameter.
+    """
+    cfg = model_config(shape)
+    d, ff, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    # (in, out) of the seven projections of a block: q, k, v, o, gate, up, down
+    shapes = [(d, heads * hd), (d, kv * hd), (d, kv * hd), (heads * hd, d), (d, ff), (d, ff), (ff, d)]
+    tokens = batch * seq
+    linear_fwd = 2 * tokens * (layers * sum(i * o for i, o in shapes) + d * vocab)
+    attention_fwd = layers * batch * 2 * seq * seq * heads * hd
+    adapters = layers * sum(r * (i + o) for i, o in shapes)
+    return float(2 * linear_fwd + 3 * attention_fwd + 6 * tokens * adapters)
