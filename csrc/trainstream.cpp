@@ -1,7 +1,7 @@
 // trainstream_hf._C: the one place where op schemas are declared and the Python module is built.
 //
 // Kernels register themselves beside their definitions (TORCH_LIBRARY_IMPL in csrc/cpu, csrc/cuda).
-// The Python face of every op is trainstream_hf/ops.py.
+// The Python face of every op is the package trainstream_hf/ops/ (wrappers, fake kernels, references).
 #include <torch/library.h>
 #include <torch/extension.h>
 

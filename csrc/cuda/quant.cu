@@ -1,8 +1,8 @@
 // CUDA kernels for the weight formats (NF4 and NVFP4 quantize / dequantize; int8 and FP8 dequantize) and the
 // per-row E4M3 activation quantizer of the FP8 matmul path.
 //
-// They equal the CPU kernels (csrc/cpu/quant.cpp) and the pure-PyTorch references (trainstream_hf/ops.py) bit for
-// bit (tests/gpu/test_quant_kernels_cuda.py checks with torch.equal). How:
+// They equal the CPU kernels (csrc/cpu/quant.cpp) and the pure-PyTorch references (trainstream_hf/ops/reference/)
+// bit for bit (tests/gpu/test_quant_kernels_cuda.py checks with torch.equal). How:
 //   - Every float operation that rounds is written as an IEEE intrinsic (__fmul_rn, __fadd_rn, __fsub_rn,
 //     __fdiv_rn, __ddiv_rn, __double2float_rn). nvcc never contracts these into an FMA, and --use_fast_math
 //     does not touch them, so the file gives the same bits whatever the build flags.
