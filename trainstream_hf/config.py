@@ -140,6 +140,12 @@ class TrainStreamConfig:
         "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "
                 "way instead of eight ops: the same maths, not the same bits (the row sum is reduced in another "
                 "order), so off by default (trainstream_hf/engine/norms.py)."})
+    compile_blocks: bool | str = field(default=False, metadata={
+        "help": "Compile each decoder block's forward as one region with torch.compile (norms, RoPE, SwiGLU, casts "
+                "and adapter glue fused; one compiled graph shared by the blocks of one structure); the engine's "
+                "hooks, paging and offload stay outside it. True: torch.compile's default backend (inductor); a "
+                "string: that backend ('aot_eager' traces without generating kernels); False: eager. The first step "
+                "pays the compilation. The same maths, not the same bits (trainstream_hf/engine/compiled.py)."})
     elide_casts: str | bool = field(default="auto", metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "
@@ -172,6 +178,15 @@ class TrainStreamConfig:
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if not isinstance(self.fused_norms, bool):
             raise ValueError(f"fused_norms: True or False, got {self.fused_norms!r}")
+        if not isinstance(self.compile_blocks, (bool, str)) or self.compile_blocks == "":
+            raise ValueError(f"compile_blocks: True, False or a torch.compile backend name, got "
+                             f"{self.compile_blocks!r}")
+        if isinstance(self.compile_blocks, str):
+            import torch._dynamo
+
+            if self.compile_blocks not in torch._dynamo.list_backends(exclude_tags=()):
+                raise ValueError(f"compile_blocks: unknown torch.compile backend {self.compile_blocks!r}; choose one "
+                                 f"of {', '.join(sorted(torch._dynamo.list_backends(exclude_tags=())))} (or True)")
         if self.grads not in ("auto", "device", "host"):
             raise ValueError(f"grads: 'auto', 'device' or 'host', got {self.grads!r}")
         if not isinstance(self.slots, int) or self.slots < 1:

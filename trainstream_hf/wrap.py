@@ -36,6 +36,7 @@ from trainstream_hf.engine.allocator import enable_expandable_segments, wants_ex
 from trainstream_hf.engine.arena import HostArena, host_memory_available
 from trainstream_hf.engine.blocks import check_wrappable, find_blocks
 from trainstream_hf.engine.casts import CastSources
+from trainstream_hf.engine.compiled import CompiledBlocks, drop_cache
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
@@ -100,7 +101,7 @@ class Engine:
         self.model, self.config, self.user_optimizer = model, config, user_optimizer
         self.plan: planner.Plan | None = None
         self.streams = self.arena = self.hooks = self.pager = self.offloader = None
-        self.casts = self.norms = self.loss_owner = self.fused_head = self.tiled = None
+        self.casts = self.norms = self.loss_owner = self.fused_head = self.tiled = self.compiled = None
         self.optimizer = user_optimizer
         self.steps = 0
         self.expandable_segments = False  # wrap() switched the CUDA allocator to expandable segments
@@ -233,12 +234,7 @@ def _checkpointed_forward(layer: nn.Module, inner, checkpoint, *args, **kwargs):
     # Not twice: with the user's gradient checkpointing on, transformers checkpoints this layer itself.
     if not (layer.training and torch.is_grad_enabled()) or getattr(layer, "gradient_checkpointing", False):
         return inner(*args, **kwargs)
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    if not getattr(layer, "_can_checkpoint_with_cache", False):
-        for name in ("past_key_values", "past_key_value", "cache", "layer_past"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+    drop_cache(layer, kwargs)
     return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
 
@@ -362,6 +358,7 @@ class _Setup:
     loss_owner: nn.Module | None = None
     fused_head: FusedHead | None = None
     tiled: TiledMLP | None = None
+    compiled: CompiledBlocks | None = None
     keep: list = None  # _OnFailure undos to commit when wrap succeeds
 
     def drop_casts(self) -> None:
@@ -678,7 +675,14 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         _track_masters(model, engine.optimizer, undo)
     engine.plan = pl
     engine.casts, engine.norms, engine.loss_owner, engine.fused_head = s.casts, s.norms, s.loss_owner, s.fused_head
-    engine.tiled = s.tiled
+    if s.config.compile_blocks:
+        # After the plan: the block is measured eager (it saves more than compiled, so the plan errs on the safe
+        # side) and compiles at the first training step, under the loop's own autocast and grad mode. Before the
+        # checkpoints, which then wrap the compiled forward; the patched modules above are inside the region.
+        s.compiled = CompiledBlocks("inductor" if s.config.compile_blocks is True else s.config.compile_blocks)
+        undo.callback(s.compiled.uninstall)
+        s.compiled.install(blocks)
+    engine.tiled, engine.compiled = s.tiled, s.compiled
     engine._start_clock(undo)
     engine.install_recompute(blocks, pl.recomputed_blocks, undo)
     if isinstance(engine.optimizer, OffloadedAdamW) and engine.optimizer.overlap_step:

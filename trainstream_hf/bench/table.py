@@ -40,6 +40,8 @@ ROWS: dict[str, tuple[str, str, str, dict]] = {
                           dict(quantize="nvfp4", outliers=0.01)),
     "ts_nvfp4": ("trainstream nvfp4", "engine", "trainstream_quant", dict(quantize="nvfp4")),
     "ts_nf4": ("trainstream nf4", "engine", "trainstream_quant", dict(quantize="nf4")),
+    "ts_nf4_compiled": ("trainstream nf4, compiled blocks", "engine", "trainstream_quant",
+                        dict(quantize="nf4", compile_blocks=True, name_suffix=", compiled blocks")),
     "ts_fp8": ("trainstream fp8", "engine", "trainstream_quant", dict(quantize="fp8")),
     "ts_auto": ("trainstream bf16 base, auto plan", "engine", "trainstream_lora", {}),
     "bnb": ("bitsandbytes QLoRA nf4 + PEFT", "peers", "bnb_qlora", dict(grad_ckpt=False)),

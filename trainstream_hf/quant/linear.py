@@ -353,7 +353,10 @@ class QuantLinear(nn.Linear):
         self.__dict__.setdefault("_fp8_wt", None)
 
     def _path_on(self, device: torch.device) -> matmul.MatmulPath:
-        """The path for ``device`` and the current ``act_quant``, selected once and then looked up."""
+        """The path for ``device`` and the current ``act_quant``, selected once and then looked up (under torch.compile,
+        selected each time: a guard on this layer's own cache would compile every block of a model on its own)."""
+        if torch.compiler.is_compiling():
+            return matmul.select_path(self.fmt, device, self._act_quant)
         path = self._paths.get((device, self._act_quant))
         if path is None:
             path = self._paths[(device, self._act_quant)] = matmul.select_path(self.fmt, device, self._act_quant)

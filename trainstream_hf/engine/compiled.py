@@ -1,0 +1,82 @@
+"""Each decoder block's forward compiled as one region with torch.compile (``compile_blocks``).
+
+A LoRA step of an 8B model on a GPU spends much of its time outside the weight GEMMs: norms, RoPE, SwiGLU, dtype
+casts and adapter glue run as one unfused kernel each (the profile in benchmarks/NOTES.md). torch.compile fuses them
+per block; Unsloth compiles its decoder layer the same way. This is PyTorch's "regional compilation": the blocks
+share one class and their parameters reach the graph as inputs (dynamo's ``inline_inbuilt_nn_modules``), so the
+first block compiles and every other block of the same structure reuses its code (two graphs in a LoRA model: block 0's input needs no gradient under a frozen embedding, the
+others' do). Nothing per layer may reach a guard: a block's training call writes no cache (:func:`drop_cache`) and
+``QuantLinear`` selects its matmul path without its per-layer cache under compile. A sequence length seen for the
+second time makes dynamo mark it dynamic (its default), so a run of varying lengths compiles a few times, not once
+per length. wrap installs it after the plan (the block is measured eager, saving more than compiled: a safe plan) so
+that the first training step compiles under the loop's own autocast and grad mode.
+
+What is compiled is the block's own ``forward``, set on the instance; ``Module.__call__`` and its hooks stay
+outside the region. The engine's block hooks (weight paging, the saved-tensor context of activation offload, the
+overlapped optimizer step) therefore run eagerly around it, and the checkpoint of a recomputed block wraps the compiled
+forward (recomputation runs the same compiled code). The compiled autograd function saves its tensors through
+``save_for_backward``, so an active saved-tensor hook (the activation offloader) sees them: fewer, since fused
+kernels keep fewer intermediates than the eager graph.
+
+Not the same bits as eager: inductor fuses elementwise chains and may reorder reductions (bounded in
+tests/engine/test_compiled_blocks.py). Around the compiled blocks, offloaded activations and recomputation stay exact:
+a wrapped model with compiled blocks equals, bit for bit, the same model with the same blocks compiled and nothing
+moved. With gradients in host RAM (paged trainable weights, the offloaded optimizer's host mode) the parameters take
+another class after the first step, the blocks are compiled again for it, and the gradients agree within float32
+rounding only (measured on the CPU).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+from torch import nn
+
+_MISSING = object()
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def drop_cache(layer: nn.Module, kwargs: dict) -> None:
+    """What transformers does to a checkpointed layer's call in training: no cache written (``use_cache`` off, the
+    cache argument None, unless the layer says it checkpoints with one). A training forward's cache is never read;
+    writing it would make each block's call differ (its own cache layer) and, under a checkpoint, write it twice."""
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        for name in CACHE_ARGUMENTS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+
+
+def _compiled_forward(layer: nn.Module, compiled, *args, **kwargs):
+    if layer.training and torch.is_grad_enabled():  # one compiled graph for every block: no per-layer cache state
+        drop_cache(layer, kwargs)
+    return compiled(*args, **kwargs)
+
+
+class CompiledBlocks:
+    """Compiles the blocks' forwards on :meth:`install`; :meth:`uninstall` gives each its previous forward back."""
+
+    def __init__(self, backend: str = "inductor"):
+        self.backend = backend
+        self._saved: list[tuple[nn.Module, object]] = []
+
+    def install(self, blocks: Sequence[nn.Module]) -> int:
+        """Sets a compiled ``forward`` on every block (its instance forward if it has one, else its class's);
+        returns how many. Compilation itself happens at each structure's first call."""
+        for block in blocks:
+            inner = block.__dict__.get("forward", _MISSING)
+            self._saved.append((block, inner))
+            fn = inner if inner is not _MISSING else type(block).forward.__get__(block)
+            block.__dict__["forward"] = functools.partial(_compiled_forward, block,
+                                                          torch.compile(fn, backend=self.backend))
+        return len(self._saved)
+
+    def uninstall(self) -> None:
+        for block, inner in reversed(self._saved):
+            if inner is _MISSING:
+                block.__dict__.pop("forward", None)
+            else:
+                block.__dict__["forward"] = inner
+        self._saved = []
