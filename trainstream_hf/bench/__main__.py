@@ -5,7 +5,8 @@ engine (the peers plus trainstream.wrap under the same VRAM budget, in one run);
 beside bf16 nn.Linear and bitsandbytes NF4 on one block's linear layers, and dequantize bandwidth); sqnr
 (quantization SQNR of a real pretrained model's linear layers, on the CPU); table (one LoRA step of an 8B-class
 model, every trainstream format and peer in a process of its own under one VRAM cap: the README's table); host (the
-host side of a step, Python, dispatch and autograd, on the CPU).
+host side of a step, Python, dispatch and autograd, on the CPU); cache (generate() with DynamicCache, TrainStreamCache
+at several residencies and DynamicCache's offloading, each paged row against its floor).
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import re
 import torch
 
 from trainstream_hf.bench import common
+from trainstream_hf.bench.cache import ROWS as CACHE_ROWS
 from trainstream_hf.bench.host import ROWS as HOST_ROWS
 from trainstream_hf.bench.table import ROWS as TABLE_ROWS
 
-SUITES = ("micro", "peers", "engine", "quant", "sqnr", "table", "host")
+SUITES = ("micro", "peers", "engine", "quant", "sqnr", "table", "host", "cache")
 
 
 def main(argv=None) -> None:
@@ -45,7 +47,10 @@ def main(argv=None) -> None:
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,cpu_adamw (default all); engine: those and ts_lora,ts_nf4,"
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
                        "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: "
-                       + ",".join(TABLE_ROWS) + "; host: " + ",".join(HOST_ROWS))
+                       + ",".join(TABLE_ROWS) + "; host: " + ",".join(HOST_ROWS) + "; cache: " + ",".join(CACHE_ROWS))
+    peers.add_argument("--new-tokens", type=int, default=None,
+                       help="cache: tokens generated per sequence (with --batch and --seq: one setting instead of "
+                            "the two default ones, 8 x 2048 + 128 and 32 x 1024 + 64)")
     peers.add_argument("--longest", action="store_true",
                        help="table: instead of the step table, the longest sequence each row trains at under the cap "
                             "(doubling from --seq, default 8192, then bisecting to 4096 tokens; shape default "
@@ -105,6 +110,13 @@ def main(argv=None) -> None:
     elif args.suite == "sqnr":
         from trainstream_hf.bench import sqnr
         payload, md = sqnr.run()
+    elif args.suite == "cache":
+        from trainstream_hf.bench import cache
+        settings = None
+        if args.seq or args.new_tokens or args.batch != 1:
+            settings = ((args.batch, args.seq or 2048, args.new_tokens or 128),)
+        payload, md = cache.run(shape=args.shape, settings=settings, repeats=args.repeats or 3, quick=args.quick,
+                                rows=args.peers.split(",") if args.peers else None)
     elif args.suite == "host":
         from trainstream_hf.bench import host
         payload, md = host.run(quick=args.quick, rows=args.peers.split(",") if args.peers else None)
