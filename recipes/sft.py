@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.wrap and (cfg.eval.enabled or cfg.save_model) and procs.main:
         # An ordinary model again, every weight on the device (so it must fit there whole).
         model = trainstream_hf.unwrap(model)
+    if not procs.main:
+        model = None  # this replica (and what holds the process group through it) goes before the group does
     processes.finish(procs)
     if not procs.main:
         return {"rank": procs.rank, "losses": log.losses, **mine}

@@ -197,5 +197,9 @@ def test_dropping_a_wrapped_model_runs_no_python_code_in_the_collection():
     del model, opt
     gc.collect()  # what the step left behind, before the drop
     calls = _python_run_by(lambda: (held.clear(), gc.collect()))
+    # Once anything in the process has used torch.compile (compile_blocks' tests, in the same pytest run), dynamo
+    # tags every new module with a weakref whose callback is Python (torch/_dynamo/mutation_guard.py): torch's, not
+    # ours, and present whether or not the model is wrapped.
+    calls = [c for c in calls if "/torch/_dynamo/" not in c]
     assert calls == [], calls
     assert len(gc.callbacks) == before

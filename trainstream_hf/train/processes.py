@@ -9,6 +9,7 @@ says how host RAM grew with N (``peer``: one host copy of a frozen base per host
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -97,7 +98,11 @@ def start(procs: Processes, device: torch.device) -> None:
 
 
 def finish(procs: Processes) -> None:
+    """Leaves the process group while the interpreter is whole. A collection first: a DDP wrapper held in reference
+    cycles (the Trainer's) holds the group too, and freed only at interpreter finalization it takes gloo's worker
+    threads down there, which can abort the process (SIGABRT, "terminate called without an active exception")."""
     if procs.several and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
