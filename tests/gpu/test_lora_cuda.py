@@ -83,10 +83,7 @@ def _two_roundings(layer, x0):
 def test_fused_lora_split_regime_small_adapter_cuda(fmt):
     """With the adapter's term small beside the base's (B of std 1e-4: here ~2% of the base's term; LoRA's B starts at
     zero), its extra rounding vanishes in y's own: y no further from float64 than PEFT's (the CPU's contract)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-    from test_lora import _exact_lora, check_split_regime
+    from tests.quant.test_lora import _exact_lora, check_split_regime
 
     layer = _layer(fmt, 32, bias=False, b_std=1e-4)
     (fused, peft_), _, x0 = _both(layer, autocast=False)
@@ -101,10 +98,7 @@ def test_fused_lora_split_regime_cuda(fmt, alpha):
     float32 output on cuBLAS) against PEFT's float32 graph and float64, as tests/quant/test_lora.py on the CPU. y is
     held to the error of bf16(bf16(x W^T) + bf16(t)), t the adapter's term: cuBLAS rounds t before adding it (see
     csrc/autograd/dequant_linear.cpp; this layer's adapter term dominates its output, the worst case for that)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-    from test_lora import _exact_lora, check_split_regime
+    from tests.quant.test_lora import _exact_lora, check_split_regime
 
     layer = _layer(fmt, alpha, bias=False)
     (fused, peft_), (node, _), x0 = _both(layer, autocast=False)
