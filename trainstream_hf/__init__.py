@@ -23,6 +23,8 @@ _LAZY = {
     "TrainStreamDPOConfig": "trainstream_hf.integrations.trl",
     "TrainStreamGRPOTrainer": "trainstream_hf.integrations.trl",
     "TrainStreamGRPOConfig": "trainstream_hf.integrations.trl",
+    "TrainStreamOnlineDPOTrainer": "trainstream_hf.integrations.trl_online",
+    "TrainStreamOnlineDPOConfig": "trainstream_hf.integrations.trl_online",
 }
 
 

@@ -93,6 +93,7 @@ def _scored_token_logprobs(
     labels_mask: Tensor | None,
     chunk_tokens: int,
     temperature: float = 1.0,
+    score_masked: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(token_logps [N] fp32, scored [B, T-1] bool): log p(input_ids[:, 1:]) at the N scored positions, in order."""
     if chunk_tokens < 1:
@@ -103,7 +104,10 @@ def _scored_token_logprobs(
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    scored = attention_mask.bool() if labels_mask is None else attention_mask.bool() & labels_mask.bool()
+    if labels_mask is None:
+        scored = attention_mask.bool()
+    else:
+        scored = labels_mask.bool() if score_masked else attention_mask.bool() & labels_mask.bool()
     scored = scored[:, 1:]
 
     lm = _unwrap(model)
@@ -186,6 +190,7 @@ def token_logprobs(
     *,
     chunk_tokens: int = 1024,
     temperature: float = 1.0,
+    score_masked: bool = False,
 ) -> Tensor:
     """Per-token log-probabilities of the scored tokens, never materialising [B, T, V] logits.
 
@@ -197,13 +202,15 @@ def token_logprobs(
     Args:
         model, input_ids, attention_mask, labels_mask, chunk_tokens: as for :func:`sequence_logprobs`.
         temperature: the sampling temperature the logits are divided by (> 0).
+        score_masked: ``labels_mask`` alone says which tokens are scored, those whose ``attention_mask`` is 0
+            included (what a full forward's logits give there; TRL's Online DPO reads them in its statistics).
 
     Returns:
         [B, T - 1] fp32 tensor, zero at unscored positions, differentiable with respect to the model's trainable
         parameters.
     """
     token_logps, scored = _scored_token_logprobs(model, input_ids, attention_mask, labels_mask, chunk_tokens,
-                                                 temperature)
+                                                 temperature, score_masked)
     # masked_scatter keeps the graph (and gives a [B, T-1] of zeros when nothing is scored).
     return token_logps.new_zeros(scored.shape).masked_scatter(scored, token_logps)
 

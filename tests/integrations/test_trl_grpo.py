@@ -214,3 +214,29 @@ def test_grpo_config_installs_engine(tmp_path):
     trainer.train()
     assert any("trainstream/arena_used_GiB" in h for h in trainer.state.log_history)
     assert ts.engine_of(trainer.model) is None
+
+
+def test_grpo_generates_through_the_paged_cache(tmp_path):
+    from trainstream_hf.cache import TrainStreamCache
+
+    tok = _tokenizer()
+    trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path, max_steps=2),
+                                     train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                                     generation_cache=0.0)
+    made, real_init = [], TrainStreamCache.__init__
+
+    def counting(self, *a, **k):
+        made.append(k.get("resident"))
+        real_init(self, *a, **k)
+
+    TrainStreamCache.__init__ = counting
+    try:
+        trainer.train()
+    finally:
+        TrainStreamCache.__init__ = real_init
+    assert made == [0.0, 0.0] and "generate" not in trainer.model.__dict__
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    with pytest.raises(ValueError, match="generation_cache: the fraction of layers"):
+        TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path),
+                               train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                               generation_cache=2)

@@ -207,15 +207,22 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
             are logged as ``trainstream/*``.
         ref_chunk_tokens: completion tokens per LM-head chunk in the reference pass; bounds its largest
             intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
+        generation_cache: a fraction in [0, 1]: TRL's ``generate`` decodes with a
+            :class:`~trainstream_hf.cache.TrainStreamCache` holding that fraction of the layers' K/V on the device
+            (the rest in pinned host pages); None (default): TRL's own cache.
 
     Raises:
-        ValueError: ``beta > 0`` and the policy is not a PEFT model; ``ref_chunk_tokens < 1``.
+        ValueError: ``beta > 0`` and the policy is not a PEFT model; ``ref_chunk_tokens < 1``; a ``generation_cache``
+            outside [0, 1].
     """
 
     def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, ref_chunk_tokens: int = 1024,
-                 **kwargs):
+                 generation_cache: float | None = None, **kwargs):
+        from trainstream_hf.integrations.trl_online import check_generation_cache
+
         if ref_chunk_tokens < 1:
             raise ValueError(f"ref_chunk_tokens must be >= 1, got {ref_chunk_tokens}")
+        self.generation_cache = check_generation_cache(generation_cache)
         bound = _GRPO_INIT.bind(self, *args, **kwargs).arguments
         grpo_args, model = bound.get("args"), bound["model"]
         beta = grpo_args.beta if grpo_args is not None else GRPOConfig.__dataclass_fields__["beta"].default
@@ -273,8 +280,12 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         return self._ts_reference_token_logps(input_ids, attention_mask, logits_to_keep, batch_size), None, None
 
     def training_step(self, model, inputs, num_items_in_batch):
-        _synchronize_engines(self.accelerator.unwrap_model(model))  # before TRL generates (module docstring)
-        return super().training_step(model, inputs, num_items_in_batch)
+        from trainstream_hf.integrations.trl_online import generation_through_cache
+
+        policy = self.accelerator.unwrap_model(model)
+        _synchronize_engines(policy)  # before TRL generates (module docstring)
+        with generation_through_cache(policy, self.generation_cache):  # TRL generates inside the step
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         _log(self, logs)
