@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = TrainStreamGRPOTrainer(
             model=model, reward_funcs=rewards.reward_functions(gc.rewards), args=args, train_dataset=prompts,
             processing_class=tok, peft_config=lora, ref_chunk_tokens=gc.ref_chunk_tokens,
+            generation_cache=gc.generation_cache,
             trainstream_config=align.engine_config(run, (cfg.train.batch_size, longest + gc.max_completion_length)))
         progress = align.Progress.attach(trainer, "grpo", SHOWN)
         model = trainer.model

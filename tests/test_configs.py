@@ -254,7 +254,7 @@ def test_every_field_is_overridable_from_the_command_line(recipe):
                "mixed_precision": "bf16", "lora.r": 4, "lora.dropout": 0.05,
                "lora.target_modules": ["q_proj", "v_proj"], "dpo.loss_type": "hinge", "dpo.corruptions": ["drop"],
                "grpo.rewards": ["exact_match", "char_position"], "grpo.loss_type": "grpo",
-               "grpo.scale_rewards": "none",
+               "grpo.scale_rewards": "none", "grpo.generation_cache": 0.5,
                # grpo: completions per step stay a multiple of the group size
                "train.batch_size": 128 if recipe == "grpo" else base.train.batch_size + 1,
                "grpo.num_generations": 4, "train.weight_decay": 0.05, "loop": "trainer"}

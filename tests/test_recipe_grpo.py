@@ -75,6 +75,11 @@ def test_engine_samples_and_scores_as_the_plain_trainer(grpo, tmp_path):
     for key in ("loss", "kl"):
         assert [s for s, _ in a[key]] == [1, 2, 3]
         assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a[key], b[key])), key
+    # Sampling through TrainStreamCache, half the layers' K/V in host pages: the same samples (exact on the CPU).
+    paged = grpo(args + ["--output_dir", str(tmp_path / "paged"), "--grpo.generation_cache", "0.5"])
+    c = paged["train"]["curves"]
+    assert paged["config"]["grpo"]["generation_cache"] == 0.5
+    assert c["reward"] == a["reward"] and c["completions/mean_length"] == a["completions/mean_length"]
 
 
 def test_full_fine_tune_without_kl(grpo, tmp_path):

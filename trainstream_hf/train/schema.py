@@ -190,8 +190,13 @@ class GRPOArgs:
     scale_rewards: Literal["group", "batch", "none"] = _opt(
         "group", "Advantages divided by the rewards' standard deviation in each group, over the batch, or not at all.")
     ref_chunk_tokens: int = _opt(1024, "Completion tokens per LM-head chunk when the reference is scored.")
+    generation_cache: float | None = _opt(
+        None, "Sampling decodes through a TrainStreamCache with this fraction of the layers' K/V on the device (the "
+              "rest in pinned host pages, streamed as the layers run); null: TRL's own cache.")
 
     def __post_init__(self) -> None:
+        if self.generation_cache is not None and not 0.0 <= self.generation_cache <= 1.0:
+            raise ValueError(f"generation_cache: a fraction in [0, 1] or null, got {self.generation_cache!r}")
         if self.num_generations < 2:
             raise ValueError(f"num_generations: at least 2 (advantages compare completions of one prompt), got "
                              f"{self.num_generations}")
