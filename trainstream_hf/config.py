@@ -229,6 +229,10 @@ ENV_NOT_OPTIONS = {
     "TRAINSTREAM_BENCH_MODELS": "the benchmark table (where checkpoints for Unsloth's loader are saved)"}
 
 
+# Options whose type admits a bool (annotations are strings here: ``from __future__ import annotations``).
+_BOOL_OPTIONS = frozenset(f.name for f in fields(TrainStreamConfig) if "bool" in str(f.type))
+
+
 def parse_value(text: str):
     """An option's text (an environment variable, a command-line argument) as its value: ``true``/``false`` ->
     bool, ``none``/``null``/empty -> None, ``1,2048`` -> a tuple, integers and floats -> numbers, anything else ->
@@ -248,12 +252,19 @@ def parse_value(text: str):
     return text.strip()
 
 
+def _switch(name: str, value):
+    """``1`` / ``0`` as True / False for an option that takes a bool (``TRAINSTREAM_FUSED_NORMS=1``)."""
+    if type(value) is int and value in (0, 1) and name in _BOOL_OPTIONS:
+        return bool(value)
+    return value
+
+
 def config_from_text(options: dict[str, Any], sources: dict[str, str] | None = None) -> TrainStreamConfig:
     """A :class:`TrainStreamConfig` from option values given as text (parsed by :func:`parse_value`) or as values;
     a bad value is a ValueError whose message starts with where it came from (``sources[name]``, e.g. the variable
     ``TRAINSTREAM_VRAM_BUDGET='x'``, default the option's name)."""
     sources = sources or {}
-    values = {k: parse_value(v) if isinstance(v, str) else v for k, v in options.items()}
+    values = {k: _switch(k, parse_value(v)) if isinstance(v, str) else v for k, v in options.items()}
     try:
         return TrainStreamConfig(**values)
     except (TypeError, ValueError) as e:

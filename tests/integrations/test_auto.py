@@ -206,6 +206,11 @@ def test_env_config_parsing():
                                     batch_shape=(1, 2048), host_arena=None, outliers=0.01)
     assert parse_value("0.5") == 0.5 and parse_value("FALSE") is False and parse_value("2GiB") == "2GiB"
     assert env_config({"TRAINSTREAM_VRAM_BUDGET": "1GiB"}, default="auto")[1].vram_budget == "1GiB"
+    # 1 / 0 switch an option that takes a bool; a number stays a number elsewhere
+    _, cfg = env_config({"TRAINSTREAM": "on", "TRAINSTREAM_FUSED_NORMS": "1", "TRAINSTREAM_COMPILE_BLOCKS": "1",
+                         "TRAINSTREAM_PAGE_WEIGHTS": "0", "TRAINSTREAM_SLOTS": "1", "TRAINSTREAM_PREFETCH": "0"})
+    assert (cfg.fused_norms, cfg.compile_blocks, cfg.page_weights, cfg.slots, cfg.prefetch) == (True, True, False, 1, 0)
+    assert env_config({"TRAINSTREAM": "on", "TRAINSTREAM_COMPILE_BLOCKS": "aot_eager"})[1].compile_blocks == "aot_eager"
 
 
 @pytest.mark.parametrize("env, match", [
