@@ -65,3 +65,11 @@ def test_busy_time_is_the_union_of_the_kernels_intervals():
     events = [ev(0, 10), ev(5, 12), ev(20, 25), ev(21, 22), ev(30, 90, "Memcpy HtoD"), ev(40, 80, device=cpu)]
     assert harness.busy_us(events) == 12 + 5
     assert harness.busy_us([]) == 0
+
+
+@pytest.mark.parametrize("suite, first", [("table", "ts_nvfp4_outliers"), ("host", "step_plain"), ("cache", "dynamic")])
+def test_unknown_rows_are_one_line_errors(capsys, suite, first):
+    with pytest.raises(SystemExit):
+        main([suite, "--quick", "--peers", f"{first},nope"])
+    err = capsys.readouterr().err
+    assert f"error: --peers: unknown {suite} row(s) nope; choose from {first}, " in err and "Traceback" not in err

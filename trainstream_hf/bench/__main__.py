@@ -74,6 +74,10 @@ def main(argv=None) -> None:
         parser.error(f"--profile {args.profile}: give a number of steps >= 1 (0: no profile)")
     if args.trace and not args.profile:
         parser.error("--trace writes the traces of --profile's steps: give --profile N too")
+    known = {"table": TABLE_ROWS, "host": HOST_ROWS, "cache": CACHE_ROWS}.get(args.suite)
+    unknown = [r for r in (args.peers or "").split(",") if r and known is not None and r not in known]
+    if unknown:
+        parser.error(f"--peers: unknown {args.suite} row(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     from trainstream_hf.bench import harness
     harness.GC_FREEZE = args.gc_freeze
     harness.PROFILE_STEPS = args.profile
