@@ -157,8 +157,9 @@ class TrainStreamOnlineDPOTrainer(EngineTrainerMixin, OnlineDPOTrainer):
         scorer = self.accelerator.unwrap_model(model)
         if not is_peft_model(scorer) or _is_prompt_learning(scorer):
             return False
-        return not any(getattr(m, "disable_adapters", False) is False
-                       for m in scorer.modules() if hasattr(m, "lora_A"))
+        # TRL's self.model.disable_adapter(): every LoRA layer's adapters off (other PEFT tuners: TRL's own path)
+        lora = [m for m in scorer.modules() if hasattr(m, "lora_A") and hasattr(m, "disable_adapters")]
+        return bool(lora) and all(m.disable_adapters for m in lora)
 
     def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         """TRL 1.16 internal; the reference call is answered here, every other one by TRL (module docstring)."""
