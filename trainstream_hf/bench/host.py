@@ -7,8 +7,9 @@ kernels take about a microsecond leave little else in the time. CPU time of the 
 
 * ``step_*``: one LoRA training step of a deep, narrow Llama (32 decoder layers, hidden 64, 16 tokens, nf4 bases,
   LoRA r16 on every linear layer, bf16 autocast, float32 adapters, AdamW), milliseconds per step: the model alone
-  (``step_plain``), wrapped by the engine with nothing to page (``step_wrap``), and wrapped with paged weights and
-  offloaded activations (``step_paged``).
+  (``step_plain``), wrapped by the engine with nothing to page (``step_wrap``), wrapped with paged weights and
+  offloaded activations (``step_paged``), and wrapped with each block compiled (``step_compiled``; compiled in its
+  warm-up steps).
 * ``layer_*``: one linear layer's forward + input gradient (4 tokens, 16 x 16), microseconds per layer call:
   ``nn.Linear`` bf16 (the floor), the FP8 W8A8 path with ``torch._scaled_mm`` replaced by a stand-in that only
   allocates its output (``layer_fp8``; ``layer_fp8_qkv``: three layers reading one input, as q / k / v do), the
@@ -29,7 +30,8 @@ from torch import nn
 from trainstream_hf.bench.common import markdown_table
 
 STEP_ROWS = {"step_plain": None, "step_wrap": {},
-             "step_paged": {"page_weights": True, "offload_activations": True, "min_activation_bytes": 0}}
+             "step_paged": {"page_weights": True, "offload_activations": True, "min_activation_bytes": 0},
+             "step_compiled": {"compile_blocks": True}}
 # row -> (label, layer kind, layers per step, one input shared by the layers)
 LAYER_ROWS = {
     "layer_bf16": ("nn.Linear bf16", "bf16", 1, False),
