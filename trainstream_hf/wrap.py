@@ -234,7 +234,7 @@ def _checkpointed_forward(layer: nn.Module, inner, checkpoint, *args, **kwargs):
     # Not twice: with the user's gradient checkpointing on, transformers checkpoints this layer itself.
     if not (layer.training and torch.is_grad_enabled()) or getattr(layer, "gradient_checkpointing", False):
         return inner(*args, **kwargs)
-    drop_cache(layer, kwargs)
+    args = drop_cache(layer, args, kwargs)
     return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
 

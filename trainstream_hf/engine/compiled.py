@@ -28,6 +28,7 @@ rounding only (measured on the CPU).
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Sequence
 
 import torch
@@ -37,21 +38,42 @@ _MISSING = object()
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
-def drop_cache(layer: nn.Module, kwargs: dict) -> None:
+_CACHE_POSITIONS: dict[type, tuple[int, ...]] = {}
+
+
+def _cache_positions(cls: type) -> tuple[int, ...]:
+    """Indices in a call's positional arguments (``self`` not counted) of ``cls.forward``'s cache parameters (GPT-2's
+    model passes its cache positionally)."""
+    if cls not in _CACHE_POSITIONS:
+        try:
+            names = list(inspect.signature(cls.forward).parameters)[1:]
+        except (TypeError, ValueError):
+            names = []
+        _CACHE_POSITIONS[cls] = tuple(i for i, n in enumerate(names) if n in CACHE_ARGUMENTS)
+    return _CACHE_POSITIONS[cls]
+
+
+def drop_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What transformers does to a checkpointed layer's call in training: no cache written (``use_cache`` off, the
-    cache argument None, unless the layer says it checkpoints with one). A training forward's cache is never read;
-    writing it would make each block's call differ (its own cache layer) and, under a checkpoint, write it twice."""
+    cache argument None, by keyword or by position, unless the layer says it checkpoints with one). A training
+    forward's cache is never read; writing it would make each block's call differ (its own cache layer) and, under a
+    checkpoint, write it twice. Changes ``kwargs`` in place; returns the positional arguments."""
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    if not getattr(layer, "_can_checkpoint_with_cache", False):
-        for name in CACHE_ARGUMENTS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+    if getattr(layer, "_can_checkpoint_with_cache", False):
+        return args
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    positions = [i for i in _cache_positions(type(layer)) if i < len(args) and args[i] is not None]
+    if positions:
+        args = tuple(None if i in positions else a for i, a in enumerate(args))
+    return args
 
 
 def _compiled_forward(layer: nn.Module, compiled, *args, **kwargs):
     if layer.training and torch.is_grad_enabled():  # one compiled graph for every block: no per-layer cache state
-        drop_cache(layer, kwargs)
+        args = drop_cache(layer, args, kwargs)
     return compiled(*args, **kwargs)
 
 
