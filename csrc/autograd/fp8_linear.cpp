@@ -376,6 +376,31 @@ at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at:
 
 namespace {
 
+// On the tensors torch.compile traces with (FakeTensor, FunctionalTensor: no data) the node calls the op itself and
+// its input gradient through the dispatcher, below autograd, which gives the registered fake kernels: a compiled
+// region holds the op whole (the kernels read data pointers: alignment, the kept quantization's key). On real
+// tensors it calls the kernels directly, as it always did (a TorchDispatchMode then sees the ops they dispatch).
+bool traced(const at::Tensor& t) {
+  return t.defined() &&
+         t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+using Fp8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
+                               const std::optional<at::Tensor>&, int64_t);
+using Fp8DgradFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<Fp8LinearFn>& linear_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("trainstream::fp8_linear", "").typed<Fp8LinearFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<Fp8DgradFn>& dgrad_op() {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("trainstream::fp8_linear_dgrad", "").typed<Fp8DgradFn>();
+  return op;
+}
+
 class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
@@ -386,6 +411,7 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     ctx->saved_data["sizes"] = x.sizes().vec();
     // Not through save_for_backward: the caller's weight copy, not an activation (see the top of this file).
     if (w_t.has_value() && w_t->defined()) ctx->saved_data["w_t"] = *w_t;
+    if (traced(x) || traced(w)) return linear_op().call(x, w, w_scale, reuse, w_t, outliers);
     return fp8_linear_forward(x, w, w_scale, reuse, w_t, outliers);
   }
 
@@ -399,8 +425,14 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
       const auto kept = ctx->saved_data.find("w_t");
       const std::optional<at::Tensor> w_t =
           kept == ctx->saved_data.end() ? std::nullopt : std::optional<at::Tensor>(kept->second.toTensor());
-      dx = fp8_linear_dgrad(grads[0].reshape({-1, w.size(0)}), w, saved[1], w_t)
-               .view(ctx->saved_data["sizes"].toIntVector());
+      const at::Tensor dy = grads[0].reshape({-1, w.size(0)});
+      if (traced(dy) || traced(w)) {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        dx = dgrad_op().call(dy, w, saved[1], w_t);
+      } else {
+        dx = fp8_linear_dgrad(dy, w, saved[1], w_t);
+      }
+      dx = dx.view(ctx->saved_data["sizes"].toIntVector());
     }
     return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

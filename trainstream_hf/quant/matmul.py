@@ -177,6 +177,8 @@ def _stream_id(device: torch.device) -> int:
 def forget_activation() -> None:
     """Drops the kept activation quantizations, this module's and the tensor-core layer's (the next
     :func:`quantize_activation` / :func:`trainstream_hf.ops.fp8_linear` quantizes afresh)."""
+    if torch.compiler.is_compiling():
+        return  # nothing is kept under compile (_reuse_key); the compiled graph's fp8_linear keys its own by version
     global _LAST
     _LAST = None
     ops.fp8_forget_activation()
@@ -184,7 +186,7 @@ def forget_activation() -> None:
 
 def _reuse_key(src: torch.Tensor) -> tuple | None:
     """The key :func:`quantize_activation` keeps src's quantization under, or None where it must not be kept."""
-    if type(src) is not torch.Tensor or src.is_inference() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or type(src) is not torch.Tensor or src.is_inference():
         return None
     device = src.device
     if device.type == "cuda":
@@ -348,7 +350,9 @@ def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor 
     if not _scaled_mm_ok(x.dtype, q):
         return None
     t = q.tensors
-    return ops.fp8_linear(x, t["data"], t["scale"], True, w_t, outliers)
+    # Under torch.compile the activation quantization is not kept (its key reads data pointers, which a traced
+    # tensor has none of); the layers' shared input is one graph value there anyway.
+    return ops.fp8_linear(x, t["data"], t["scale"], not torch.compiler.is_compiling(), w_t, outliers)
 
 
 def takes_transposed_weight(path: MatmulPath, dtype: torch.dtype, q: QuantizedTensor) -> bool:
