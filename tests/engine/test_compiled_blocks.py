@@ -219,3 +219,34 @@ def test_every_format_compiles_without_a_break(fmt, request, monkeypatch):
     assert abs(l0 - l1) <= 1e-3 * abs(l0) and len(g0) == len(g1) == 2 * 7 * 2
     for a, b in zip(g0, g1):
         assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
+
+
+def test_a_compiled_quantized_block_saves_no_more_than_eager():
+    """The forward's and the backward's decode of a packed weight must stay two (no CSE across the joint graph):
+    merged, the dense weights would be saved for the backward (the 8B row's out-of-memory at 66d2b61)."""
+    from trainstream_hf.quant import quantize_model
+    from trainstream_hf.train.model import add_lora
+
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    saved = {}
+    for compiled in (False, "aot_eager"):
+        torch._dynamo.reset()
+        m = quantize_model(tiny_llama(2, hidden=128, vocab=128, positions=64, seed=0, intermediate_size=512)
+                           .to(torch.bfloat16), "nf4")
+        m = add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+        m, _ = ts.wrap(m, None, device="cpu", vram_budget="8GiB", host_arena=None, compile_blocks=compiled,
+                       batch_shape=tuple(ids.shape), fused_loss=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids).loss.backward()  # the compile
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        saved[compiled] = total[0]
+        ts.unwrap(m)
+    assert saved["aot_eager"] <= saved[False], saved

@@ -74,7 +74,12 @@ def drop_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
 def _compiled_forward(layer: nn.Module, compiled, *args, **kwargs):
     if layer.training and torch.is_grad_enabled():  # one compiled graph for every block: no per-layer cache state
         args = drop_cache(layer, args, kwargs)
-    return compiled(*args, **kwargs)
+    # No common-subexpression elimination across the joint graph: a quantized layer decodes its weight in the
+    # forward and again in the backward (from the packed tensors it saves), and merging the two decodes would save
+    # every dense weight for the backward: the whole bf16 model (out of memory at 24 GiB on the 8B table row at
+    # 66d2b61, benchmarks/NOTES.md); without it the region saves less than eager does.
+    with torch._functorch.config.patch(cse=False):
+        return compiled(*args, **kwargs)
 
 
 class CompiledBlocks:
