@@ -50,7 +50,7 @@ def test_the_readme_table_is_the_committed_json_rendered():
     root = Path(__file__).resolve().parents[2]
     text = (root / "README.md").read_text()
     section = text.split(table.BEGIN)[1].split(table.END)[0].strip()
-    path = re.search(r"\(`(benchmarks/results/table-[^`]+\.json)`\)", section).group(1)
+    path = re.search(r"`(benchmarks/results/table-[^`]+\.json)`", section).group(1)
     assert (root / path).is_file()
     cwd = os.getcwd()
     os.chdir(root)  # the source line names the JSON relative to the repository

@@ -247,7 +247,7 @@ def run_longest(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None,
 
 def readme_table(path: str) -> str:
     """The README's markdown for the table JSON at ``path``: its rows, and a line naming the GPU, commit, date and
-    command they come from."""
+    the JSON (which holds the command and every column)."""
     with open(path) as f:
         payload = json.load(f)
     env = payload.get("environment", {})
@@ -256,11 +256,13 @@ def readme_table(path: str) -> str:
     table = summarize(payload["results"], {
         "model_flops_per_step": lora_step_flops(payload["shape"], payload["batch"], payload["seq"], LORA["r"]),
         "peak_bf16_flops": peak_bf16_flops(gpu)})
-    cols = ("row", "status", "step_s", "tokens_per_s", "reserved_GiB", "vs_fastest", "last_loss")
+    for r in table:  # a row that did not run shows why in its step column (out of memory, not run: ...)
+        if r["status"] != "ok":
+            r["step_s"] = r["status"]
+    cols = ("row", "step_s", "tokens_per_s", "reserved_GiB", "vs_fastest", "last_loss")
     if any(r.get("mfu") is not None for r in table):
-        cols = cols[:4] + ("mfu",) + cols[4:]
-    source = (f"{gpu}, commit {env.get('commit', '?')}, {env.get('date', '?')}: `{env.get('command', '?')}` "
-              f"(`{os.path.relpath(path)}`)")
+        cols = cols[:3] + ("mfu",) + cols[3:]
+    source = f"{gpu}, commit {env.get('commit', '?')}, {str(env.get('date', '?'))[:10]}: `{os.path.relpath(path)}`"
     return f"{markdown_table(table, cols)}\n\n{source}"
 
 
