@@ -36,7 +36,8 @@ def rows_to_plot(payload: dict) -> tuple[list[dict], list[dict]]:
         raise ValueError("plot: the JSON has no 'results' list (engine, peers and quant suites have one)")
     ran, skipped = [], []
     for r in payload["results"]:
-        label = r.get("name") or r.get("key") or r.get("peer") or "?"
+        # the table's own label first (it says which row ran without the cap)
+        label = r.get("label") or r.get("name") or r.get("key") or r.get("peer") or "?"
         step = _step_seconds(r)
         if r.get("status", "ok") != "ok" or step is None:
             skipped.append({"label": label, "status": r.get("status", "no step time")})
