@@ -29,8 +29,8 @@ from trainstream_hf.bench.models import build_model, model_config
 
 ROWS = ("dynamic", "ts_1.0", "ts_0.5", "ts_0.0", "dynamic_offloaded")
 SETTINGS = ((8, 2048, 128), (32, 1024, 64))  # (batch, prompt tokens, new tokens): the table of issue 27
-COLUMNS = ("setting", "row", "status", "tokens_per_s", "prefill_s", "step_ms", "floor_ms", "vs_floor", "offloaded_layers",
-           "same_tokens")
+COLUMNS = ("setting", "row", "status", "tokens_per_s", "prefill_s", "step_ms", "floor_ms", "vs_floor",
+           "offloaded_layers", "same_tokens")
 
 
 def _cache(row: str, model, max_cache_len: int):

@@ -4,12 +4,14 @@ A LoRA step of an 8B model on a GPU spends much of its time outside the weight G
 casts and adapter glue run as one unfused kernel each (the profile in benchmarks/NOTES.md). torch.compile fuses them
 per block; Unsloth compiles its decoder layer the same way. This is PyTorch's "regional compilation": the blocks
 share one class and their parameters reach the graph as inputs (dynamo's ``inline_inbuilt_nn_modules``), so the
-first block compiles and every other block of the same structure reuses its code (two graphs in a LoRA model: block 0's input needs no gradient under a frozen embedding, the
-others' do). Nothing per layer may reach a guard: a block's training call writes no cache (:func:`drop_cache`) and
-``QuantLinear`` selects its matmul path without its per-layer cache under compile. A sequence length seen for the
-second time makes dynamo mark it dynamic (its default), so a run of varying lengths compiles a few times, not once
-per length. wrap installs it after the plan (the block is measured eager, saving more than compiled: a safe plan) so
-that the first training step compiles under the loop's own autocast and grad mode.
+first block compiles and every other block of the same structure reuses its code (two graphs in a LoRA model: block
+0's input needs no gradient under a frozen embedding, the others' do). Nothing per layer may reach a guard: a block's
+training call writes no cache (:func:`drop_cache`) and ``QuantLinear`` selects its matmul path without its per-layer
+cache under compile. A sequence length seen for the second time makes dynamo mark it dynamic (its default), so a run
+of varying lengths compiles a few times, not once per length. wrap installs it after the plan (the block is measured
+eager, which saves more than the compiled region: a safe plan) so that the first training step compiles under the
+loop's own autocast and grad mode. The region runs without common-subexpression elimination across the joint graph
+(:func:`_compiled_forward` says why).
 
 What is compiled is the block's own ``forward``, set on the instance; ``Module.__call__`` and its hooks stay
 outside the region. The engine's block hooks (weight paging, the saved-tensor context of activation offload, the

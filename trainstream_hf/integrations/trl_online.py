@@ -130,10 +130,10 @@ class TrainStreamOnlineDPOTrainer(EngineTrainerMixin, OnlineDPOTrainer):
         peft_policy = bound.get("peft_config") is not None or (isinstance(model, nn.Module) and is_peft_model(model))
         if bound.get("ref_model") is None and not peft_policy:
             raise ValueError(
-                "TrainStreamOnlineDPOTrainer: Online DPO needs a reference policy, and for a model without adapters TRL "
-                "would make it a full copy of the model; trainstream keeps one model in memory. Train LoRA adapters "
-                "(pass peft_config=LoraConfig(...), or a peft.PeftModel) so that the reference is the same model with "
-                "its adapters disabled, or pass ref_model= yourself.")
+                "TrainStreamOnlineDPOTrainer: Online DPO needs a reference policy, and for a model without adapters "
+                "TRL would make it a full copy of the model; trainstream keeps one model in memory. Train LoRA "
+                "adapters (pass peft_config=LoraConfig(...), or a peft.PeftModel) so that the reference is the same "
+                "model with its adapters disabled, or pass ref_model= yourself.")
         if self.generation_cache is not None and args_ is not None and getattr(args_, "use_vllm", False):
             raise ValueError("TrainStreamOnlineDPOTrainer: generation_cache applies to transformers' generate; with "
                              "use_vllm=True vLLM generates. Drop one of them.")
