@@ -7,6 +7,8 @@
 #   TRAINSTREAM_COMMIT=<sha> TABLES=$'--shape llama3.1-8b\n--shape mistral-7b --peers ts_nf4,bnb_ckpt' \
 #     bash scripts/gpu_table.sh start
 #   bash scripts/gpu_table.sh wait
+# When the device budget left is below a call's 600 s, pass LIMIT a little under it (LIMIT=300 bash ... wait): a call
+# cut by the budget returns nothing copied after its cut, so the last JSON written may never come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
