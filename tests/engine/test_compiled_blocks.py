@@ -45,16 +45,22 @@ HOST_GRADS = dict(page_weights=True, offload_activations=True, min_activation_by
                   min_offload_numel=0, recompute=False)
 
 
-@pytest.mark.parametrize("moves", list(MOVES))
-def test_the_engines_moves_stay_exact_around_compiled_blocks(train_side_by_side, moves):
+def _compiled_pair(**moves):
+    """(reference, its optimizer, model, its optimizer): one model twice, both with compiled blocks (the engine's own
+    option, so the same compiled code); the reference moves nothing, the model makes ``moves``."""
     ref = _llama()
     model = copy.deepcopy(ref)
-    # the reference: the same blocks compiled, nothing moved (the engine's own option, so the same compiled code)
     ref, ref_opt = ts.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), device="cpu", vram_budget="64GiB",
                            host_arena=None, compile_blocks="aot_eager", recompute=False, offload_activations=False,
                            page_weights=False, offload_optimizer=False)
     model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu", vram_budget="64GiB",
-                         host_arena=None, compile_blocks="aot_eager", **MOVES[moves])
+                         host_arena=None, compile_blocks="aot_eager", **moves)
+    return ref, ref_opt, model, opt
+
+
+@pytest.mark.parametrize("moves", list(MOVES))
+def test_the_engines_moves_stay_exact_around_compiled_blocks(train_side_by_side, moves):
+    ref, ref_opt, model, opt = _compiled_pair(**MOVES[moves])
     pl = ts.engine_of(model).plan
     assert (pl.offloaded_activation_blocks or pl.recomputed_blocks), pl
     assert ts.engine_of(model).compiled is not None and len(ts.engine_of(ref).compiled._saved) == 3
@@ -62,13 +68,7 @@ def test_the_engines_moves_stay_exact_around_compiled_blocks(train_side_by_side,
 
 
 def test_paged_weights_with_host_gradients_agree_within_rounding():
-    ref = _llama()
-    model = copy.deepcopy(ref)
-    ref, ref_opt = ts.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), device="cpu", vram_budget="64GiB",
-                           host_arena=None, compile_blocks="aot_eager", recompute=False, offload_activations=False,
-                           page_weights=False, offload_optimizer=False)
-    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu", vram_budget="64GiB",
-                         host_arena=None, compile_blocks="aot_eager", **HOST_GRADS)
+    ref, ref_opt, model, opt = _compiled_pair(**HOST_GRADS)
     assert ts.engine_of(model).plan.paged_blocks == [0, 1, 2] and ts.engine_of(model).plan.grads == "host"
     for ids in _batches():
         la, lb = (m(input_ids=ids, labels=ids).loss for m in (ref, model))

@@ -1,13 +1,12 @@
 """Fused RMSNorm on the GPU (csrc/cuda/norm.cu): transformers' LlamaRMSNorm maths within the rounding of another
 reduction order, no host sync, and its time beside the module's at the Llama-3-8B shape (printed)."""
-import statistics
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from trainstream_hf import ops
-from tests.helpers import rel_err
+from tests.helpers import cuda_median_ms, rel_err
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
 
@@ -39,19 +38,7 @@ def test_rms_norm_cuda_time_beside_the_module():
     x = torch.randn(1, 2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 
-    def ms(fn):
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(30):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-    module = ms(lambda: torch.autograd.grad(m(x), x, dy))
-    fused = ms(lambda: torch.autograd.grad(ops.rms_norm(x, m.weight, 1e-5), x, dy))
+    module = cuda_median_ms(lambda: torch.autograd.grad(m(x), x, dy))
+    fused = cuda_median_ms(lambda: torch.autograd.grad(ops.rms_norm(x, m.weight, 1e-5), x, dy))
     print(f"RMSNorm 2048 x 4096 bf16, forward + dx: module {module:.3f} ms, fused {fused:.3f} ms")
     assert fused < module  # one kernel each way against eight ops
