@@ -276,3 +276,21 @@ def test_misuse_errors():
         cache.batch_repeat_interleave(2)
     with pytest.raises(NotImplementedError, match="batch size is fixed"):
         cache.batch_select_indices(torch.tensor([0]))
+
+
+def test_resident_layers_are_head_major_offloaded_pages_token_major():
+    """A resident layer's K/V reach attention as contiguous rows per head (StaticCache's layout); an offloaded
+    layer's host page keeps a step's new tokens in one contiguous block (one copy to the host)."""
+    cfg = transformers.LlamaConfig(**_kwargs())
+    cache = PagedKVCache(cfg, resident=0.5, max_cache_len=64)
+    k = torch.randn(2, 2, 5, HIDDEN // 4)
+    with torch.no_grad():
+        for i in range(LAYERS):
+            keys, values = cache.update(k, k + 1, i)
+            assert torch.equal(keys, k) and torch.equal(values, k + 1)
+            layer = cache.layers[i]
+            if layer.resident:
+                assert keys.stride(-2) == HIDDEN // 4 and keys.stride(1) == 64 * HIDDEN // 4  # [B, H, T, D] rows
+            else:
+                assert layer.k.is_contiguous() and layer.k[0:5].is_contiguous()  # token-major host page
+    assert sum(layer.resident for layer in cache.layers) == LAYERS // 2

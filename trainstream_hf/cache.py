@@ -402,9 +402,14 @@ class PagedKVCache(Cache):
 
     @torch.inference_mode(False)  # buffers outlive a generate() under inference_mode: keep them normal
     def _alloc(self, resident: bool, capacity: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``[capacity, batch, kv_heads, head_dim]`` buffer. Offloaded pages are stored token-major (a step's new
+        tokens are one contiguous block to copy to the host); a resident layer is stored head-major, ``[batch,
+        kv_heads, capacity, head_dim]`` seen through a permuted view, so that attention reads each head's keys and
+        values as contiguous rows, as from StaticCache's buffers."""
         shape = (capacity, like.shape[0], like.shape[1], like.shape[3])
         if resident:
-            return torch.empty(shape, dtype=like.dtype, device=self._device)
+            return torch.empty((shape[1], shape[2], shape[0], shape[3]), dtype=like.dtype,
+                               device=self._device).permute(2, 0, 1, 3)
         if self._arena is not None:
             return self._arena.empty(shape, like.dtype)
         return torch.empty(shape, dtype=like.dtype)
