@@ -36,6 +36,8 @@ as ``cache=`` on 5.24, as ``past_key_values=`` on 5.17 (where ``cache=`` is not 
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 import math
 
 import torch
@@ -45,7 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
-__all__ = ["PagedKVCache", "TrainStreamCache"]
+__all__ = ["PagedKVCache", "TrainStreamCache", "cache_keyword"]
 
 _SLIDING = ("sliding_attention", "chunked_attention")  # same cache behaviour; only the mask differs
 
@@ -542,6 +544,18 @@ def _resident_count(resident: float, resident_layers: int | None, n: int) -> int
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model.generate`` / ``model(...)`` takes a cache by: ``cache`` from transformers 5.24
+    (``past_key_values`` deprecated there), ``past_key_values`` before (5.17 reads no ``cache=``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_keyword(type(base))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,6 +1,8 @@
 """TrainStreamConfig: the one dataclass for every option of the engine (validated, documented)."""
 from __future__ import annotations
 
+import difflib
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -289,9 +291,6 @@ def env_config(environ=None, *, default: str = "off") -> tuple[str, TrainStreamC
         ValueError: ``TRAINSTREAM`` is not one of :data:`ENV_MODES`, a ``TRAINSTREAM_*`` variable names no option,
             or a value is not one the option takes; the message names the variable and the allowed values.
     """
-    import difflib
-    import os
-
     env = os.environ if environ is None else environ
     raw = env.get("TRAINSTREAM")
     mode = default if raw is None or not raw.strip() else raw.strip().lower()

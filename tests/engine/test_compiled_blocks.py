@@ -25,6 +25,15 @@ def _batches(n=3):
     return [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1000 + s)) for s in range(n)]
 
 
+def _lora_over(fmt: str, layers: int, **llama):
+    """A bf16 tiny Llama packed in ``fmt``, LoRA r8 on every linear layer (the recipes' adapter)."""
+    from trainstream_hf.quant import quantize_model
+    from trainstream_hf.train.model import add_lora
+
+    m = quantize_model(tiny_llama(layers, vocab=128, positions=64, seed=0, **llama).to(torch.bfloat16), fmt)
+    return add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -108,17 +117,10 @@ def test_inductor_compiles_shared_graphs_and_stays_close_to_eager():
     rounding of eager (inductor fuses elementwise chains: fewer roundings)."""
     from torch._dynamo.utils import counters
 
-    from trainstream_hf.quant import quantize_model
-    from trainstream_hf.train.model import add_lora
-
-    def build():
-        m = quantize_model(tiny_llama(3, vocab=128, positions=64, seed=0).to(torch.bfloat16), "nf4")
-        return add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
-
     ids = _batches(1)[0]
     grads = {}
     for compiled in (False, True):
-        model = build()
+        model = _lora_over("nf4", 3)
         model, _ = ts.wrap(model, None, device="cpu", vram_budget="8GiB", host_arena=None, compile_blocks=compiled,
                            batch_shape=tuple(ids.shape))
         counters.clear()
@@ -193,8 +195,7 @@ def test_every_format_compiles_without_a_break(fmt, request, monkeypatch):
     tensors, its node hands the op to its fake kernel whole."""
     from torch._dynamo.utils import counters
 
-    from trainstream_hf.quant import matmul, quantize_model
-    from trainstream_hf.train.model import add_lora
+    from trainstream_hf.quant import matmul
 
     if fmt == "fp8_tensor_cores":
         request.getfixturevalue("rowwise_scaled_mm")
@@ -203,8 +204,7 @@ def test_every_format_compiles_without_a_break(fmt, request, monkeypatch):
     out = {}
     for compiled in (False, "aot_eager"):
         torch._dynamo.reset()
-        m = quantize_model(tiny_llama(2, vocab=128, positions=64, seed=0).to(torch.bfloat16), fmt.split("_")[0])
-        m = add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+        m = _lora_over(fmt.split("_")[0], 2)
         m, _ = ts.wrap(m, None, device="cpu", vram_budget="8GiB", host_arena=None, compile_blocks=compiled,
                        batch_shape=tuple(ids.shape))
         counters.clear()
@@ -224,16 +224,11 @@ def test_every_format_compiles_without_a_break(fmt, request, monkeypatch):
 def test_a_compiled_quantized_block_saves_no_more_than_eager():
     """The forward's and the backward's decode of a packed weight must stay two (no CSE across the joint graph):
     merged, the dense weights would be saved for the backward (the 8B row's out-of-memory at 66d2b61)."""
-    from trainstream_hf.quant import quantize_model
-    from trainstream_hf.train.model import add_lora
-
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
     saved = {}
     for compiled in (False, "aot_eager"):
         torch._dynamo.reset()
-        m = quantize_model(tiny_llama(2, hidden=128, vocab=128, positions=64, seed=0, intermediate_size=512)
-                           .to(torch.bfloat16), "nf4")
-        m = add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+        m = _lora_over("nf4", 2, hidden=128, intermediate_size=512)
         m, _ = ts.wrap(m, None, device="cpu", vram_budget="8GiB", host_arena=None, compile_blocks=compiled,
                        batch_shape=tuple(ids.shape), fused_loss=False)
         with torch.autocast("cpu", dtype=torch.bfloat16):

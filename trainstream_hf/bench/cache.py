@@ -16,7 +16,6 @@ step over that floor. ``same_tokens`` is the fraction of generated tokens equal 
 """
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from typing import Optional
@@ -51,13 +50,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _generate(model, ids: torch.Tensor, new: int, cache) -> tuple[torch.Tensor, float]:
-    # transformers >= 5.24 takes the cache as ``cache=`` (``past_key_values=`` deprecated); 5.17 as past_key_values
-    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    from trainstream_hf.cache import cache_keyword
+
     _sync(ids.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0, **{key: cache})
+                             min_new_tokens=new, do_sample=False, pad_token_id=0, **{cache_keyword(model): cache})
     _sync(ids.device)
     return out[:, ids.shape[1]:], time.perf_counter() - t0
 
@@ -73,23 +72,22 @@ def measure_row(row: str, model, ids: torch.Tensor, new: int, repeats: int) -> d
     """One row: the median over ``repeats`` of a one-token ``generate`` (prefill) and of the whole ``new``-token one,
     each with a fresh cache; the tokens of the last whole run."""
     max_len = ids.shape[1] + new
-    prefill, total, cache, tokens = [], [], None, None
+    prefill, total, out = [], [], {"row": row}
     for _ in range(repeats):
         for want, into in ((1, prefill), (new, total)):
             cache = _cache(row, model, max_len)
             tokens, seconds = _generate(model, ids, want, cache)
             into.append(seconds)
-            if hasattr(cache, "close") and want == 1:
+            if want == new:  # the last whole run's tokens and cache figures
+                out["tokens"] = tokens.cpu()
+                out["offloaded_layers"] = len(getattr(cache, "offloaded_layers", []) or [])
+                if hasattr(cache, "stats"):
+                    out["cache_stats"] = cache.stats()
+            if hasattr(cache, "close"):
                 cache.close()
-    out = {"row": row, "prefill_s": statistics.median(prefill), "total_s": statistics.median(total),
-           "tokens": tokens.cpu()}
+    out["prefill_s"], out["total_s"] = statistics.median(prefill), statistics.median(total)
     out["step_ms"] = (out["total_s"] - out["prefill_s"]) / max(1, new - 1) * 1e3
     out["tokens_per_s"] = ids.shape[0] * new / out["total_s"]
-    out["offloaded_layers"] = len(getattr(cache, "offloaded_layers", []) or [])
-    if hasattr(cache, "stats"):
-        out["cache_stats"] = cache.stats()
-    if hasattr(cache, "close"):
-        cache.close()
     return out
 
 

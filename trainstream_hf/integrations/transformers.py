@@ -172,7 +172,7 @@ class TrainStreamCallback(TrainerCallback):
         if cfg.device is None and torch.device(args.device).type != "cpu" and any(
                 p.device != torch.device(args.device) for p in model.parameters()):
             cfg = replace(cfg, device=str(args.device))
-        dense = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+        dense = {n for n, m in model.named_modules() if type(m) is nn.Linear} if cfg.quantize is not None else set()
         _, new_opt = wrap(model, optimizer, cfg)  # with quantize set, wrap packs the frozen base (all or nothing)
         if cfg.quantize is not None:
             self.quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n in dense]

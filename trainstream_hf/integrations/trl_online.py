@@ -72,11 +72,10 @@ def generation_through_cache(model: nn.Module, resident: float | None) -> Iterat
     if resident is None:
         yield
         return
-    from trainstream_hf.cache import TrainStreamCache
+    from trainstream_hf.cache import TrainStreamCache, cache_keyword
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # transformers >= 5.24 takes the cache as ``cache=`` (``past_key_values=`` deprecated); 5.17 past_key_values only
-    key = "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    key = cache_keyword(base)
     had = "generate" in model.__dict__
     original = model.generate
 
