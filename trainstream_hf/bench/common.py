@@ -102,11 +102,18 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 def write_json(name: str, payload: dict, out_dir: str | None = None, command: str | None = None) -> str:
     """Writes ``payload`` (plus the environment, :func:`environment`'s ``command``) to ``<out_dir>/<name>.json``;
-    returns the path."""
+    returns the path. Written under a temporary name and renamed: the table rewrites its JSON after every row, and a
+    run stopped (Ctrl-C, the machine taken back) during a write keeps the previous rows' file whole."""
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump({"environment": environment(command), **payload}, f, indent=1, sort_keys=False)
-        f.write("\n")
+    tmp = os.path.join(out_dir, f".{name}.json.partial")
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"environment": environment(command), **payload}, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
