@@ -2,7 +2,8 @@
 # The benchmark table on the GPU machine, longer than one command may run: `start` installs the carried wheels
 # (.whl, and Unsloth's own folder .whl-unsloth), builds the extension, then runs each table given in TABLES (one
 # set of `python -m trainstream_hf.bench table` arguments per line) one after another in a process session of its
-# own, and waits; `wait` waits for that session. Both copy what is written so far (JSON, markdown, logs) to $OUT
+# own, and waits (a line that starts with a suite name, e.g. `cache --quick`, runs that suite instead of the table);
+# `wait` waits for that session. Both copy what is written so far (JSON, markdown, logs) to $OUT
 # and return before LIMIT seconds (default 570).
 #   TRAINSTREAM_COMMIT=<sha> TABLES=$'--shape llama3.1-8b\n--shape mistral-7b --peers ts_nf4,bnb_ckpt' \
 #     bash scripts/gpu_table.sh start
@@ -38,7 +39,8 @@ if [[ ${1:-} == start ]]; then
     while IFS= read -r args; do
       [[ -z $args ]] && continue
       echo "== table $args ($(date -u +%H:%M:%S))" >> "$0/progress.log"
-      '"$PY"' -m trainstream_hf.bench table $args --out "$0" > "$0/table-$(echo $args | tr -c "a-z0-9.\n" -).md" 2>> "$0/table.err"
+      case $args in micro*|peers*|engine*|quant*|sqnr*|table*|host*|cache*) suite=;; *) suite=table;; esac
+      '"$PY"' -m trainstream_hf.bench $suite $args --out "$0" > "$0/table-$(echo $suite $args | tr -c "a-z0-9.\n" -).md" 2>> "$0/table.err"
       echo "   exit $? ($(date -u +%H:%M:%S))" >> "$0/progress.log"
       rm -rf /tmp/trainstream-bench-models  # the checkpoints saved for Unsloth (~16 GB a shape)
     done < "$0/tables"; echo finished >> "$0/progress.log"' "$RUN" < /dev/null > /dev/null 2>&1 &
