@@ -477,3 +477,140 @@ def test_lr_set_after_load_state_dict_reaches_the_device_parameters():
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
     assert opts[1]._device_opt.param_groups[0]["lr"] < HP["lr"]  # the schedule reached the device optimizer
+
+
+# -- the device share: resident and streamed parameters (engine/device_adamw.py) --------------------------------
+def split(model):
+    """Every parameter offloaded: first layer resident, second streamed, the rest on the CPU kernel."""
+    ps = list(model.parameters())
+    return ps, {"resident": ps[:2], "streamed": ps[2:4]}
+
+
+def train_split(model, cls=torch.optim.AdamW, grads="device", micro=1, clip=own_clip, sched=True, hp=None,
+                shares=split, **kw):
+    hp = {**HP, **(hp or {})}
+    offload, where = shares(model)
+    opt = wrap(cls(model.parameters(), **hp), offload, grads, **where, **kw)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5)) if sched else None
+    norms = train(model, opt, make_data(micro=micro), clip=clip, sched=schedule)
+    return opt, norms
+
+
+@pytest.mark.parametrize("grads,micro", [("device", 1), ("host", 1), ("device", 2), ("host", 3)])
+@pytest.mark.parametrize("chunk", [1 << 20, 100])
+def test_device_share_matches_torch_adamw(grads, micro, chunk):
+    """Resident, streamed and CPU-stepped parameters together: torch.optim.AdamW's result to < 1e-6 after 20 steps
+    with weight decay, clipping that triggers, a warm-up schedule and accumulation; chunk 100: parameters span
+    several chunks and the ring of 3 buffers wraps."""
+    hp = dict(weight_decay=0.1)
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, **hp)
+    sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: min(1.0, (s + 1) / 5))
+    ref_norms = train(ref, ref_opt, make_data(micro=micro), clip=torch_clip, sched=sched)
+    model = make_model()
+    opt, norms = train_split(model, grads=grads, micro=micro, hp=hp, device_chunk_numel=chunk)
+    assert max(n.item() for n in ref_norms) > 0.3  # clipping was active
+    assert max_diff(ref, model) < TOL
+    st = opt.stats()
+    assert st["resident_numel"] == 16 * 48 + 48 and st["streamed_numel"] == 48 * 48 + 48
+    assert st["device_state_bytes"] >= 12 * st["resident_numel"]
+    assert st["h2d_bytes"] >= 12 * st["streamed_numel"] and st["d2h_bytes"] >= 12 * st["streamed_numel"]
+
+
+@pytest.mark.parametrize("cls,maximize,dtype", [(torch.optim.Adam, False, torch.float32),
+                                                (torch.optim.Adam, True, torch.bfloat16),
+                                                (torch.optim.AdamW, True, torch.float16),
+                                                (torch.optim.AdamW, False, torch.bfloat16)])
+def test_device_share_same_bits_as_cpu_share(cls, maximize, dtype):
+    """Whichever share steps a parameter, it ends with the same bits (weights, masters, moments): the device share
+    calls the same op (here its CPU kernel; tests/gpu/test_adamw_cuda.py compares the CUDA kernel)."""
+    hp = dict(weight_decay=0.1, maximize=maximize)
+    host, dev = make_model(dtype=dtype), make_model(dtype=dtype)
+    host_opt, _ = train_split(host, cls, hp=hp, shares=lambda m: (list(m.parameters()), {}))
+    dev_opt, _ = train_split(dev, cls, hp=hp, device_chunk_numel=64)
+    for p, q in zip(host.parameters(), dev.parameters()):
+        assert torch.equal(p, q)
+    a, b = host_opt.state_dict(), dev_opt.state_dict()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys()
+        assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for k in a["state"][i])
+
+
+@pytest.mark.parametrize("grads", ["device", "host"])
+def test_device_share_state_dict_resume_bit_identical(grads):
+    data, hp = make_data(), dict(weight_decay=0.1, **HP)
+
+    def build(seed=0):
+        m = make_model(seed=seed, dtype=torch.bfloat16)
+        offload, where = split(m)
+        return m, wrap(torch.optim.AdamW(m.parameters(), **hp), offload, grads, **where, device_chunk_numel=100)
+
+    full, full_opt = build()
+    train(full, full_opt, data, clip=own_clip)
+    first, first_opt = build()
+    train(first, first_opt, data[:10], clip=own_clip)
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optim": first_opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    assert {"master", "exp_avg", "exp_avg_sq", "step"} == set(ckpt["optim"]["state"][0])  # resident: master kept
+    second, second_opt = build(seed=5)
+    second.load_state_dict(ckpt["model"])
+    second_opt.load_state_dict(ckpt["optim"])
+    train(second, second_opt, data[10:], clip=own_clip)
+    for p, q in zip(full.parameters(), second.parameters()):
+        assert torch.equal(p, q)
+    a, b = full_opt.state_dict(), second_opt.state_dict()
+    for i in a["state"]:
+        assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for k in a["state"][i])
+
+
+def test_device_share_with_optimizer_in_backward():
+    """The CPU share updates in backward; resident and streamed parameters at step(), their gradients untouched."""
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), **HP), make_data())
+    model = make_model()
+    offload, where = split(model)
+    opt = wrap(torch.optim.AdamW(model.parameters(), **HP), offload, "host", overlap_step=True,
+               optimizer_in_backward=True, **where)
+    train(model, opt, make_data())
+    opt.synchronize()
+    assert max_diff(ref, model) < TOL
+
+
+def test_device_share_release_and_master_params():
+    model = make_model(dtype=torch.bfloat16)
+    opt, _ = train_split(model, clip=None, sched=False)
+    masters = opt.master_params()
+    p0 = list(model.parameters())[0]
+    assert masters[p0].dtype == torch.float32 and torch.equal(masters[p0].to(torch.bfloat16), p0.detach())
+    opt.release()
+    assert torch.equal(p0.detach(), masters[p0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("not_offloaded", "must be offloaded ones"), ("both", "both resident and streamed"),
+    ("sink", "cannot have a param_sink"), ("grad", "gradient of a device-stepped parameter"),
+])
+def test_device_share_bad_input(case, msg):
+    model = make_model()
+    ps = list(model.parameters())
+    kw = dict(resident=ps[:2], streamed=ps[2:4])
+    offload = ps
+    if case == "not_offloaded":
+        offload = ps[1:]
+    elif case == "both":
+        kw["streamed"] = ps[1:4]
+    elif case == "sink":
+        kw["param_sink"] = {ps[0]: torch.zeros_like(ps[0])}
+    if case != "grad":
+        with pytest.raises(ValueError, match=msg):
+            wrap(torch.optim.AdamW(model.parameters(), **HP), offload, **kw)
+        return
+    opt = wrap(torch.optim.AdamW(model.parameters(), **HP), offload, **kw)
+    before = [p.detach().clone() for p in ps]
+    backward(model, make_data(1)[0])
+    ps[2].grad = torch.zeros(48, 48).to_sparse()  # (torch refuses a wrong shape or dtype itself)
+    with pytest.raises(ValueError, match=msg):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, before))  # nothing stepped

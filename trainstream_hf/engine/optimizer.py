@@ -42,6 +42,7 @@ from torch import nn
 
 from trainstream_hf import ops
 from trainstream_hf.engine.arena import HostArena
+from trainstream_hf.engine.device_adamw import DEFAULT_CHUNK_NUMEL, DeviceSteps
 from trainstream_hf.engine.grads import GRAD_MODES, HostGradients, device_grad
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
@@ -55,21 +56,29 @@ class _Slot:
     """Host state of one offloaded parameter (all buffers flat, contiguous, in the arena)."""
 
     __slots__ = ("param", "shape", "group", "master", "exp_avg", "exp_avg_sq", "step", "out", "sink", "last_h2d",
-                 "ready")
+                 "ready", "where")
 
-    def __init__(self, param: nn.Parameter, group: int, arena: HostArena, sink: torch.Tensor | None):
+    def __init__(self, param: nn.Parameter, group: int, arena: HostArena, sink: torch.Tensor | None,
+                 where: str = "host"):
         # a paged parameter's data may be an empty placeholder: its sink has the true shape
         self.shape = sink.shape if sink is not None else param.shape
         n = self.shape.numel()
         self.param = param
         self.group = group
-        self.master = arena.empty([n], torch.float32)
-        self.exp_avg = arena.empty([n], torch.float32)
-        self.exp_avg_sq = arena.empty([n], torch.float32)
+        self.where = where  # "host" (CPU kernel), "streamed" (host state, device kernel) or "resident" (device both)
+        if where == "resident":
+            self.master, self.exp_avg, self.exp_avg_sq = (
+                torch.empty(n, dtype=torch.float32, device=param.device) for _ in range(3))
+        else:
+            self.master = arena.empty([n], torch.float32)
+            self.exp_avg = arena.empty([n], torch.float32)
+            self.exp_avg_sq = arena.empty([n], torch.float32)
         self.step = torch.tensor(0.0, dtype=torch.float32)  # as torch's non-fused, non-capturable Adam keeps it
         self.sink = sink
-        # the H2D source in the device dtype; an fp32 parameter is copied straight from the master
-        self.out = arena.empty([n], param.dtype) if sink is None and param.dtype != torch.float32 else None
+        # the H2D source in the device dtype; an fp32 parameter is copied straight from the master. A device-stepped
+        # parameter is written on the device.
+        self.out = arena.empty([n], param.dtype) if sink is None and param.dtype != torch.float32 and \
+            where == "host" else None
         self.last_h2d: Transfer | None = None  # the copy that may still read master / out
         self.ready = threading.Event()  # set once this step's new weight is written / its copy issued
         self.ready.set()
@@ -143,6 +152,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             accumulation (a second gradient before ``step()`` raises), no skipped steps (``zero_grad()`` after a
             backward without ``step()`` raises: its updates are applied), and an offloaded parameter's value is
             undefined between its gradient and the next forward (which waits for it, as with ``overlap_step``).
+            Resident and streamed parameters are stepped at ``step()`` as usual.
+        resident: offloaded parameters whose fp32 master and moments live on the device and are stepped there
+            (``engine/device_adamw.py``): no PCIe traffic and no CPU time, 12 bytes of device memory each.
+        streamed: offloaded parameters whose state stays in the arena but is stepped on the device, copied over in
+            chunks and back at ``step()`` (12 bytes each way per element, no CPU time). Resident and streamed
+            parameters keep their gradients on the device (``p.grad``, in either ``grads`` mode), need no sink, and
+            get the same bits as if the CPU had stepped them (the same op's CUDA kernel).
+        device_chunk_numel: elements per streamed chunk (the device ring holds 3 chunks of 12 bytes an element).
 
     Raises:
         TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
@@ -157,7 +174,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, offload: Iterable[nn.Parameter], *, arena: HostArena,
                  streams: TransferStreams, grads: str = "device",
                  param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4,
-                 overlap_step: bool = False, optimizer_in_backward: bool = False):
+                 overlap_step: bool = False, optimizer_in_backward: bool = False,
+                 resident: Iterable[nn.Parameter] = (), streamed: Iterable[nn.Parameter] = (),
+                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL):
         if type(optimizer) not in _SUPPORTED:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -188,16 +207,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
         sinks = dict(param_sink or {})
         self._check_offload(offload, group_of, sinks, streams)
         offloaded = set(offload)
+        where = self._check_device_share(resident, streamed, offloaded, sinks)
         order = [p for p in params if p in offloaded]  # step order = the user's parameter order
 
         numel = {p: sinks[p].numel() if p in sinks else p.numel() for p in order}
+        on_host = {p: n for p, n in numel.items() if where.get(p) != "resident"}
+        on_cpu = {p: n for p, n in numel.items() if p not in where}  # stepped by the CPU kernel
         if arena.growable:  # pin everything now, in slabs, rather than block by block during the first step
-            arena.reserve_for([4 * n for n in numel.values() for _ in range(3)]
-                              + [n * p.element_size() for p, n in numel.items()
+            arena.reserve_for([4 * n for n in on_host.values() for _ in range(3)]
+                              + [n * p.element_size() for p, n in on_cpu.items()
                                  if p not in sinks and p.dtype != torch.float32]
-                              + HostGradients.host_bytes_needed(numel, grads, optimizer_in_backward))
+                              + HostGradients.host_bytes_needed(on_cpu, grads, optimizer_in_backward))
         self.arena, self.streams, self.grads_mode = arena, streams, grads
-        self._slots = {p: _Slot(p, group_of[p], arena, sinks.get(p)) for p in order}
+        self._slots = {p: _Slot(p, group_of[p], arena, sinks.get(p), where.get(p, "host")) for p in order}
+        # the CPU share (its own gradients, hooks and worker) and the device share, each in the user's order for now
+        self._host_slots = {p: s for p, s in self._slots.items() if s.where == "host"}
+        self._device_slots = [s for s in self._slots.values() if s.where != "host"]
+        self._device_steps = DeviceSteps(streams.device, chunk_numel=device_chunk_numel) \
+            if self._device_slots else None
         self._scratch: torch.Tensor | None = None  # fp32 work buffer for fp16 grads and Adam's L2 term
         self._device_opt, self._device_groups = self._build_device_optimizer(
             [p for p in params if p not in offloaded])
@@ -212,7 +239,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.optimizer_in_backward = bool(optimizer_in_backward)
         self._in_backward: dict[nn.Parameter, None] = {}  # parameters whose update was queued since the last step
         self._in_backward_error: tuple[int, BaseException] | None = None
-        self._step_order: list[_Slot] | None = None
+        self._step_order: list[_Slot] | None = None  # of the CPU share
+        self._device_live = False  # device-share updates issued that the next forward has not waited for yet
         self._rank: dict[int, int] = {}  # id(slot) -> its place in the step order (in-backward priority)
         # Updates queued in backward, most urgent first: (rank, arrival, slot, hyper, compute_done). One worker
         # task per entry; each task pops the most urgent one, not its own.
@@ -232,7 +260,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             elif st and self._device_opt is not None:
                 self._device_opt.state[p] = st
         # last: it registers the host-mode hooks, which must not outlive a constructor that failed
-        self._grads = HostGradients(order, arena=arena, streams=streams, mode=grads,
+        self._grads = HostGradients(list(self._host_slots), arena=arena, streams=streams, mode=grads,
                                     staging_slots=grad_staging_slots, shapes={p: s.shape for p, s in sinks.items()},
                                     single_term=self.optimizer_in_backward,
                                     hook=self._grad_in_backward if self.optimizer_in_backward else None)
@@ -261,6 +289,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if s.device.type != "cpu" or s.dtype != p.dtype or p.numel() not in (0, s.numel()):
                 raise ValueError(f"param_sink: a sink must be a host tensor of its parameter's dtype {p.dtype} "
                                  f"and numel {p.numel()}, got {s.dtype} numel {s.numel()} on {s.device}")
+
+    @staticmethod
+    def _check_device_share(resident, streamed, offloaded, sinks) -> dict[nn.Parameter, str]:
+        """{parameter: "resident" | "streamed"} of the device share, checked."""
+        where: dict[nn.Parameter, str] = {}
+        for kind, ps in (("resident", resident), ("streamed", streamed)):
+            for p in ps:
+                if p not in offloaded:
+                    raise ValueError(f"{kind} parameters must be offloaded ones (in `offload`); got one of shape "
+                                     f"{tuple(p.shape)} that is not")
+                if p in sinks:
+                    raise ValueError(f"a {kind} parameter cannot have a param_sink: its weight must live on the "
+                                     "device, where its update writes it")
+                if where.setdefault(p, kind) != kind:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is both resident and streamed; "
+                                     "choose one")
+        return where
 
     def _build_device_optimizer(self, params: list[nn.Parameter]):
         if not params:
@@ -310,9 +355,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.synchronize()  # an overlapped previous step must be complete (and its error raised)
         hyper = [_hyper(self._cls, g) for g in self.param_groups]
         self._grads.check_device_grads()  # nothing below runs on bad input
+        device_work = [(slot, device_grad(slot.param), hyper[slot.group]) for slot in self._device_slots]
+        for slot, grad, _ in device_work:
+            DeviceSteps.check(slot, grad)
         t_step = time.perf_counter()
         if self.optimizer_in_backward:
-            self._step_in_backward(t_step)
+            self._step_in_backward(t_step, device_work)
             return loss
         self._h2d_bytes, self._adam_seconds = 0, 0.0
         cuda = self.streams.is_cuda
@@ -330,8 +378,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # 'host' gradients avoid this wait by leaving during backward.
             self.streams.d2h.synchronize()
         self._step_device()
+        self._step_device_share(device_work, compute_done)
         if self.overlap_step:
-            for slot in self._slots.values():
+            for slot in self._host_slots.values():
                 slot.ready.clear()
             self._pending = self._executor().submit(self._host_steps, hyper, compute_done, sink_free, t_step)
         else:
@@ -344,6 +393,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 dg.update({k: v for k, v in g.items() if k != "params"})
             self._device_opt.step()
 
+    def _step_device_share(self, work, compute_done) -> None:
+        """Issues the resident and streamed updates (in the step order): on the device's own streams, after
+        ``compute_done``; the next forward waits for each weight (:meth:`wait_for`), or for all of them at once
+        (a step that does not overlap)."""
+        if self._device_steps is None:
+            return
+        before = (self._device_steps.h2d_bytes, self._device_steps.d2h_bytes)
+        self._device_steps.step(work, compute_done)
+        self._device_bytes = (self._device_steps.h2d_bytes - before[0], self._device_steps.d2h_bytes - before[1])
+        if self.overlap_step:
+            self._device_live = True
+        else:
+            self._device_steps.wait_all()
+
     def _executor(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="trainstream-adamw")
@@ -354,7 +417,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         cuda = self.streams.is_cuda
         done = 0
         try:
-            for done, slot in enumerate(self._step_order or self._slots.values()):
+            for done, slot in enumerate(self._step_order or self._host_slots.values()):
                 grad = self._grads.take(slot.param)
                 if grad is not None:  # torch skips a parameter without a gradient, step count included
                     if sink_free is not None and slot.sink is not None:
@@ -362,13 +425,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         sink_free = None
                     self._step_slot(slot, grad, hyper[slot.group], compute_done)
                 slot.ready.set()
-            done = len(self._slots)
+            done = len(self._host_slots)
         except Exception as e:
-            raise RuntimeError(f"OffloadedAdamW.step failed on offloaded parameter {done} of {len(self._slots)}; "
+            raise RuntimeError(f"OffloadedAdamW.step failed on offloaded parameter {done} of {len(self._host_slots)} "
+                               "stepped on the CPU; "
                                "the offloaded parameters before it and the device parameters were already "
                                "updated") from e
         finally:
-            for slot in self._slots.values():
+            for slot in self._host_slots.values():
                 slot.ready.set()  # waiters must not hang on an error; synchronize() re-raises it
             if cuda and not self.overlap_step:
                 # the next forward reads the new weights: order it after the copies, without a host sync
@@ -379,10 +443,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Step bookkeeping once every host update of the step is done: gradients consumed, counters, state."""
         self._grads.consume()
         self._steps += 1
+        dev_h2d, dev_d2h = getattr(self, "_device_bytes", (0, 0))
+        self._device_bytes = (0, 0)
         self._last_stats = {
             # host mode copies during backward, so count from the end of the previous step
-            "step": self._steps, "d2h_bytes": self._grads.d2h_bytes - self._d2h_mark,
-            "h2d_bytes": self._h2d_bytes, "adam_seconds": self._adam_seconds,
+            "step": self._steps, "d2h_bytes": self._grads.d2h_bytes - self._d2h_mark + dev_d2h,
+            "h2d_bytes": self._h2d_bytes + dev_h2d, "adam_seconds": self._adam_seconds,
             "step_seconds": time.perf_counter() - t_step}
         self._d2h_mark = self._grads.d2h_bytes
         self._h2d_bytes, self._adam_seconds = 0, 0.0  # (in backward, the next step's updates count from here)
@@ -439,12 +505,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         finally:
             slot.ready.set()
 
-    def _step_in_backward(self, t_step: float) -> None:
-        for p in self._slots:  # gradients that did not come through the hook (assigned by hand): none normally
+    def _step_in_backward(self, t_step: float, device_work) -> None:
+        for p in self._host_slots:  # gradients that did not come through the hook (assigned by hand): none normally
             if device_grad(p) is not None:
                 self._grad_in_backward(p)
         self._in_backward = {}
         self._step_device()
+        compute_done = torch.cuda.current_stream(self.streams.device).record_event() if self.streams.is_cuda \
+            else None
+        self._step_device_share(device_work, compute_done)
         # behind every update queued in backward (one worker, first in first out)
         self._pending = self._executor().submit(self._finish_in_backward, t_step)
 
@@ -464,6 +533,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._worker is not None:
             self._worker.submit(lambda: None).result()
         self.synchronize()
+        if self._device_steps is not None:  # the device share's writes, host state included
+            self._device_steps.synchronize()
 
     # -- overlapped steps -------------------------------------------------------------------------
     def set_step_order(self, params: Iterable[nn.Parameter]) -> None:
@@ -471,13 +542,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         overlapped step has block 0 ready first. Parameters not listed follow in their own order."""
         listed = [self._slots[p] for p in dict.fromkeys(params) if p in self._slots]
         seen = {id(s) for s in listed}
-        self._step_order = listed + [s for s in self._slots.values() if id(s) not in seen]
+        order = listed + [s for s in self._slots.values() if id(s) not in seen]
+        self._step_order = [s for s in order if s.where == "host"]
+        self._device_slots = [s for s in order if s.where != "host"]
         self._rank = {id(s): k for k, s in enumerate(self._step_order)}
 
     def wait_for(self, params: Iterable[nn.Parameter]) -> None:
         """Makes the current stream wait for the new values of ``params`` (offloaded ones; others are
         ignored). Blocks the host only until the worker has issued their copies, never for the copies."""
-        if self._pending is None and not self._in_backward:
+        if self._pending is None and not self._in_backward and not self._device_live:
             return
         for p in params:
             slot = self._slots.get(p)
@@ -494,6 +567,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Waits for an overlapped step to finish on the host and re-raises its error, if any. The next
         forward still needs :meth:`wait_for` (or a stream wait) for the device copies."""
         pending, self._pending = self._pending, None
+        if self._device_live:  # (no host wait: the current stream waits for the device share's weights)
+            self._device_live = False
+            self._device_steps.wait_all()
         if pending is not None:
             pending.result()
             if self.streams.is_cuda:
@@ -505,7 +581,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         l2 = wd != 0 and not h["decoupled"]
         if grad.dtype == torch.float16 or (l2 and grad.dtype != torch.float32):
             if self._scratch is None or self._scratch.numel() < n:
-                self._scratch = self.arena.empty([max(s.master.numel() for s in self._slots.values())])
+                self._scratch = self.arena.empty([max(s.master.numel() for s in self._host_slots.values())])
             grad = self._scratch[:n].copy_(grad)
         slot.wait_h2d()  # the previous step's H2D copy may still read master / out
         if l2:
@@ -783,7 +859,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def release(self) -> None:
         """Writes the fp32 masters into the parameters (or sinks), cast to their dtype, and removes the
         gradient hooks. The optimizer cannot step afterwards; host gradients not yet stepped are dropped."""
-        self.synchronize()
+        self._drain()
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
@@ -799,9 +875,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """Counters of the last step (bytes each way, seconds in the CPU kernel and in ``step``) and sizes."""
+        on_host = [s for s in self._slots.values() if s.where != "resident"]
         return {**self._last_stats, "grads": self.grads_mode, "offloaded_params": len(self._slots),
                 "offloaded_numel": sum(s.master.numel() for s in self._slots.values()),
+                "resident_numel": sum(s.master.numel() for s in self._slots.values() if s.where == "resident"),
+                "streamed_numel": sum(s.master.numel() for s in self._slots.values() if s.where == "streamed"),
+                "device_state_bytes": 12 * sum(s.master.numel() for s in self._slots.values()
+                                               if s.where == "resident")
+                + (self._device_steps.buffer_bytes() if self._device_steps is not None else 0),
                 "device_params": sum(len(g["params"]) for g in (self._device_opt.param_groups
                                                                   if self._device_opt else [])),
-                "host_bytes": 4 * 3 * sum(s.master.numel() for s in self._slots.values()) + self._grads.nbytes()
+                "host_bytes": 4 * 3 * sum(s.master.numel() for s in on_host) + self._grads.nbytes()
                 + sum(s.out.numel() * s.out.element_size() for s in self._slots.values() if s.out is not None)}
