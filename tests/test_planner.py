@@ -447,3 +447,62 @@ def test_recompute_true_is_kept_when_paging():
     pl = _plan(model, vram_budget=budget, offload_optimizer=False, slots=2, prefetch=0, recompute=True,
                min_offload_numel=0)
     assert pl.paged_blocks and pl.recomputed_blocks == list(range(len(pl.blocks)))
+
+
+# -- the optimizer's device share (resident and streamed parameters) ----------------------------------------------
+def test_device_share_off_on_cpu_by_default_and_fills_spare_memory_when_forced():
+    model = _llama()
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, grads="host")
+    auto = _plan(model, **kw)
+    assert auto.resident_optimizer == [] and auto.streamed_optimizer == []  # 'auto': CUDA only
+    forced = _plan(model, optimizer_resident=True, optimizer_streamed=False, **kw)
+    assert forced.resident_optimizer == auto.offload_optimizer  # everything fits a huge budget, in forward order
+    assert forced.resident_numel == auto.offload_numel
+    assert forced.fixed_bytes == auto.fixed_bytes + 12 * auto.offload_numel
+    assert forced.host_bytes() < auto.host_bytes()
+    # A budget with room for some: the first ones in forward order (the embedding comes first), and the plan fits.
+    tight = _plan(model, **kw)
+    spare = 12 * 128 * 64 + 4 * 128 * 64 + (2 * 64 * 64 + 2 * 64 * 32) * 16  # the embedding and a bit
+    budget = int((tight.predicted_peak() + tight.margin + spare) / (1 - planner.DEVICE_SHARE_RESERVE)) + 1
+    some = _plan(model, vram_budget=budget, optimizer_resident=True, optimizer_streamed=False, **kw)
+    assert some.resident_optimizer[0] == "model.embed_tokens.weight"
+    assert 0 < len(some.resident_optimizer) < len(some.offload_optimizer) and some.fits()
+    # and it leaves DEVICE_SHARE_RESERVE of the budget unused beyond the margin
+    assert some.predicted_peak() + some.margin + planner.DEVICE_SHARE_RESERVE * budget <= budget
+
+
+def test_streamed_share_balances_cpu_and_link_or_takes_a_fraction():
+    model = _llama(layers=8)
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, grads="device", optimizer_resident=False,
+              device_chunk_numel=1024)
+    base = _plan(model, **kw)
+    # The link as fast as the CPU per element (12 bytes an element at pcie_bps): about half each, in forward order.
+    pl_fast = _plan(model, optimizer_streamed=True, cpu_adam_pps=base.pcie_bps / 12, **kw)
+    assert 0.35 < pl_fast.streamed_numel / base.offload_numel < 0.65
+    assert pl_fast.streamed_optimizer[0] == base.offload_optimizer[0]
+    half = _plan(model, optimizer_streamed=0.5, **kw)
+    assert abs(half.streamed_numel / base.offload_numel - 0.5) < 0.2
+    everything = _plan(model, optimizer_streamed=1.0, **kw)
+    assert everything.streamed_numel == base.offload_numel and everything.streamed_optimizer == base.offload_optimizer
+    assert everything.fixed_bytes == base.fixed_bytes + 3 * 12 * 1024  # the ring; device gradients already counted
+    assert everything.host_bytes() == base.host_bytes() - 6 * base.offload_numel  # no gradient buffer or bf16 copy
+    assert _plan(model, optimizer_streamed=0.0, **kw).streamed_numel == 0
+    # A slower CPU sends more to the link; the floor counts both.
+    slow = _plan(model, optimizer_streamed=True, cpu_adam_pps=base.pcie_bps / 120, **kw)
+    assert slow.streamed_numel > pl_fast.streamed_numel
+    assert slow.predicted_step_floor() < _plan(model, optimizer_streamed=False, cpu_adam_pps=base.pcie_bps / 120,
+                                               **kw).predicted_step_floor()
+    assert "streamed" in str(slow)
+
+
+def test_paged_parameters_stay_on_the_cpu_share():
+    model = _llama()
+    pl = _plan(model, offload_optimizer=True, min_offload_numel=2000, page_weights=True, optimizer_resident=True,
+               optimizer_streamed=True)
+    paged = {n for n, _ in model.named_parameters() if n.startswith("model.layers.")}
+    assert pl.paged_blocks and not paged & set(pl.resident_optimizer + pl.streamed_optimizer)
+    assert set(pl.resident_optimizer) <= {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def test_measure_cpu_adam_is_a_rate():
+    assert 1e6 < planner.measure_cpu_adam(1, numel=1 << 16) < 1e12

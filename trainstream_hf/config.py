@@ -114,6 +114,17 @@ class TrainStreamConfig:
                 "trainable weights or several processes (DDP). The gradients are consumed in backward, so no "
                 "gradient clipping (set the Trainer's max_grad_norm=0), no gradient accumulation and no skipped "
                 "steps (GradScaler): each raises. Without offloaded optimizer state it does nothing."})
+    optimizer_resident: str | bool = field(default="auto", metadata={
+        "help": "Of the offloaded parameters (not paged ones), keep the fp32 master and moments of as many as the plan's "
+                "spare device memory holds on the device, in forward order, and step them there (12 bytes each; no CPU "
+                "time, no PCIe traffic; the same bits as the CPU kernel): 'auto' (on CUDA), True or False."})
+    optimizer_streamed: str | bool | float = field(default="auto", metadata={
+        "help": "Of the offloaded parameters left, step a share on the device: their fp32 state stays in host RAM and "
+                "passes through a ring of device buffers at optimizer.step() (12 bytes each way per element, no CPU "
+                "time, the same bits), beside the CPU AdamW on the rest. 'auto' (on CUDA: split so the PCIe link and "
+                "the CPU, measured at wrap time, finish together), True (that split on any device), a fraction of the "
+                "elements in [0, 1], or False. Streamed parameters keep their gradients on the device until the step, "
+                "so only as many as fit."})
     data_parallel: str | bool = field(default="auto", metadata={
         "help": "Replicas trained with DistributedDataParallel, one per process (wrap first, then DDP): 'auto' (when "
                 "torch.distributed is initialized with more than one process), True or False. Then gradients stay on "
@@ -202,6 +213,12 @@ class TrainStreamConfig:
         parse_bytes(self.min_activation_bytes, name="min_activation_bytes")
         if not isinstance(self.min_offload_numel, int) or self.min_offload_numel < 0:
             raise ValueError(f"min_offload_numel: an int >= 0, got {self.min_offload_numel!r}")
+        if self.optimizer_resident not in ("auto", True, False):
+            raise ValueError(f"optimizer_resident: 'auto', True or False, got {self.optimizer_resident!r}")
+        streamed = self.optimizer_streamed
+        if not (streamed in ("auto", True, False) or (isinstance(streamed, (int, float)) and
+                                                      not isinstance(streamed, bool) and 0 <= streamed <= 1)):
+            raise ValueError(f"optimizer_streamed: 'auto', True, False or a fraction in [0, 1], got {streamed!r}")
         if not isinstance(self.optimizer_in_backward, bool):
             raise ValueError(f"optimizer_in_backward: True or False, got {self.optimizer_in_backward!r}")
         if self.optimizer_in_backward:

@@ -32,6 +32,7 @@ from torch import nn
 
 from trainstream_hf.config import parse_bytes
 from trainstream_hf.engine.activations import Prefetch
+from trainstream_hf.engine.device_adamw import DEFAULT_CHUNK_NUMEL
 from trainstream_hf.engine.weights import block_bytes
 
 __all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
@@ -47,6 +48,9 @@ DEFAULT_PCIE_BPS = 50e9
 DEFAULT_CPU_ADAM_PPS = 3.4e9
 # Device memory kept free for cuBLAS / attention workspaces and allocator fragmentation.
 DEFAULT_MARGIN = GiB
+# The optimizer's device share fills what the plan leaves spare but this fraction of the budget: an error in the
+# predicted peak then costs speed (a smaller share), not an out-of-memory error.
+DEVICE_SHARE_RESERVE = 0.05
 
 
 class BudgetError(MemoryError):
@@ -121,6 +125,12 @@ class Plan:
     pcie_bps: float = DEFAULT_PCIE_BPS
     cpu_adam_pps: float = DEFAULT_CPU_ADAM_PPS
     offload_numel: int = 0
+    # of the offloaded parameters, those stepped on the device (engine/device_adamw.py): fp32 state resident there,
+    # or kept in host RAM and streamed through a ring of device buffers; the rest are stepped on the CPU
+    resident_optimizer: list[str] = field(default_factory=list)
+    streamed_optimizer: list[str] = field(default_factory=list)
+    resident_numel: int = 0
+    streamed_numel: int = 0
     min_offload_numel: int = MIN_OFFLOAD_NUMEL
     forward_seconds: float | None = None  # one block's measured forward time
 
@@ -212,17 +222,20 @@ class Plan:
         """Host RAM the plan puts in the arena: paged weights, every offloaded block's activations (all
         are on the host at the end of the forward pass) and, per offloaded parameter, the fp32 master,
         both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
+        cpu = self.offload_numel - self.resident_numel - self.streamed_numel  # streamed: state only, 12 bytes
         return (self.paged_bytes()
                 + sum(b.host_activation_bytes() for b in self.blocks)
-                + 18 * self.offload_numel + (2 * self.offload_numel if self.grads == "host" else 0))
+                + 18 * cpu + 12 * self.streamed_numel + (2 * cpu if self.grads == "host" else 0))
 
     @property
     def recomputed_blocks(self) -> list[int]:
         return [b.index for b in self.blocks if b.activations in ("recompute", "recompute_host")]
 
     def predicted_step_floor(self) -> float:
-        """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds)."""
-        return max(self.pcie_bytes() / self.pcie_bps, self.offload_numel / self.cpu_adam_pps)
+        """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds); a streamed parameter
+        moves 12 bytes each way."""
+        cpu = self.offload_numel - self.resident_numel - self.streamed_numel
+        return max((self.pcie_bytes() + 12 * self.streamed_numel) / self.pcie_bps, cpu / self.cpu_adam_pps)
 
     def recompute_seconds(self) -> float | None:
         """Extra compute of the checkpointed blocks (one forward each), when the forward time is known."""
@@ -238,7 +251,10 @@ class Plan:
                  f"{self.slots} weight slots, prefetch {self.prefetch}, "
                  f"gradients on {self.grads}, {len(self.recomputed_blocks)} blocks recomputed, optimizer state of "
                  f"{len(self.offload_optimizer)} parameters "
-                 f"({self.offload_numel / 1e6:.1f} M) in host RAM",
+                 f"({self.offload_numel / 1e6:.1f} M) offloaded"
+                 + (f" (stepped on the device: {self.resident_numel / 1e6:.1f} M resident, "
+                    f"{self.streamed_numel / 1e6:.1f} M streamed)" if self.resident_numel or self.streamed_numel
+                    else ""),
                  "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |",
                  "|---|---|---|---|---|---|---|"]
         for b in self.blocks:
@@ -606,7 +622,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          margin: int = DEFAULT_MARGIN, min_offload_numel: int = MIN_OFFLOAD_NUMEL,
          activation_bytes: int | None = None, input_bytes: int | None = None,
          forward_seconds: float | None = None, recompute="auto", head_bytes: int | None = None,
-         activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0) -> Plan:
+         activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0,
+         optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
+         device_chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -634,6 +652,16 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             ``min_activation_bytes`` (the activation offloader keeps smaller ones on the device) it tells whether
             offloading a block's activations moves anything. None: unknown, assumed to.
         min_activation_bytes: the offloader's ``min_bytes`` (``TrainStreamConfig.min_activation_bytes``).
+        optimizer_resident: of the offloaded parameters (not paged ones), keep the fp32 state of as many as the
+            memory left over allows on the device, in forward order (the next forward needs them first): ``"auto"``
+            (on CUDA), True (any device) or False.
+        optimizer_streamed: of the offloaded parameters left, the share (by elements) whose host state is streamed
+            through the device and stepped there, beside the CPU's share: ``"auto"`` (on CUDA: split so the PCIe
+            link, 12 bytes each way per element, and the CPU AdamW at ``cpu_adam_pps`` finish together), True (that
+            split on any device), a fraction in [0, 1], or False. Each streamed parameter keeps its gradient on the
+            device until the step: as many as fit.
+        cpu_adam_pps: the CPU AdamW's elements per second, measured (``measure_cpu_adam``); None: a default.
+        device_chunk_numel: elements per chunk of the streamed ring (3 chunks of 12 bytes an element).
 
     Warns:
         RuntimeWarning: a forced ``page_weights=True`` or ``offload_activations=True`` that cannot move anything
@@ -792,4 +820,97 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             f"vram_budget {budget / GiB:.2f} GiB is below the minimum this model needs with every block's "
             f"weights and activations in host RAM: {(pl.predicted_peak() + pl.margin) / GiB:.2f} GiB predicted "
             f"(with a {pl.margin / GiB:.2f} GiB margin)\n{pl}")
+    if cpu_adam_pps:
+        pl.cpu_adam_pps = float(cpu_adam_pps)
+    if pl.offload_optimizer:
+        cuda = device.type == "cuda"
+        offloaded = set(pl.offload_optimizer)
+        # not the paged ones: their weights live in host copies that the CPU share writes
+        candidates = [(n, p) for n, p in big if n in offloaded and id(p) not in in_host_blocks]
+        _device_share(pl, candidates, resident=optimizer_resident is True or (optimizer_resident == "auto" and cuda),
+                      streamed=_streamed_fraction(optimizer_streamed, cuda), chunk_numel=device_chunk_numel)
     return pl
+
+
+def _streamed_fraction(option, cuda: bool) -> float | None:
+    """``optimizer_streamed`` as a fraction of the elements, or None for the balanced split."""
+    if option is False or (option == "auto" and not cuda):
+        return 0.0
+    if option is True or option == "auto":
+        return None
+    return float(option)
+
+
+def _device_share(pl: Plan, candidates: list[tuple[str, nn.Parameter]], *, resident: bool, streamed: float | None,
+                  chunk_numel: int) -> None:
+    """Moves offloaded parameters' AdamW onto the device while the plan still fits: first resident ones in forward
+    order (12 bytes each of fp32 state, plus the gradient when gradients would otherwise leave during backward),
+    then streamed ones (the ring once, plus the gradient), chosen in forward order so that the CPU and the PCIe link
+    finish together (``streamed`` None) or up to the fraction ``streamed`` of the elements."""
+    grad_host = pl.grads == "host"
+    margin = pl.margin
+    pl.margin += int(DEVICE_SHARE_RESERVE * pl.budget)
+    try:
+        _fill_device_share(pl, candidates, resident, streamed, chunk_numel, grad_host)
+    finally:
+        pl.margin = margin
+
+
+def _fill_device_share(pl, candidates, resident, streamed, chunk_numel, grad_host) -> None:
+    def add(p: nn.Parameter, state: int) -> bool:
+        n = p.numel()
+        g = n * p.element_size() if grad_host else 0
+        pl.fixed_bytes += state
+        pl.grad_bytes += g
+        if pl.fits():
+            return True
+        pl.fixed_bytes -= state
+        pl.grad_bytes -= g
+        return False
+
+    rest = []
+    for name, p in candidates:
+        if resident and add(p, 12 * p.numel()):
+            pl.resident_optimizer.append(name)
+            pl.resident_numel += p.numel()
+        else:
+            rest.append((name, p))
+    if not rest or streamed == 0.0:
+        return
+    ring = 3 * 12 * chunk_numel
+    total = sum(p.numel() for _, p in rest)
+    pl.fixed_bytes += ring
+    if not pl.fits():
+        pl.fixed_bytes -= ring
+        return
+    t_cpu = t_link = 0.0
+    for name, p in rest:
+        n = p.numel()
+        if streamed is None:
+            take = t_link + 12 * n / pl.pcie_bps <= t_cpu + n / pl.cpu_adam_pps
+        else:
+            take = pl.streamed_numel + n <= streamed * total + 0.5 * n
+        if take and add(p, 0):
+            pl.streamed_optimizer.append(name)
+            pl.streamed_numel += n
+            t_link += 12 * n / pl.pcie_bps
+        else:
+            t_cpu += n / pl.cpu_adam_pps
+    if not pl.streamed_optimizer:
+        pl.fixed_bytes -= ring
+
+
+def measure_cpu_adam(threads: int | None = None, numel: int = 4 << 20) -> float:
+    """Elements per second of the CPU AdamW kernel (bf16 gradients, bf16 copy out, ``threads`` threads), the best of
+    three passes over ``numel`` elements (the first also faults the pages in)."""
+    from trainstream_hf import ops
+
+    p, m, v = (torch.zeros(numel) for _ in range(3))
+    g = torch.zeros(numel, dtype=torch.bfloat16)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    best = float("inf")
+    for step in range(1, 4):
+        t0 = time.perf_counter()
+        ops.adamw_step_(p, m, v, g, lr=1e-3, step=step, param_bf16=out, num_threads=threads or 0)
+        best = min(best, time.perf_counter() - t0)
+    return numel / best

@@ -511,6 +511,12 @@ def _make_plan(s: _Setup) -> planner.Plan:
         if home != {device}:
             b.to(next(iter(home)) if len(home) == 1 else "cpu")
 
+    cpu_adam_pps = None
+    if device.type == "cuda" and s.has_optimizer and config.offload_optimizer is not False and \
+            config.optimizer_streamed not in (False, 0):
+        # the CPU AdamW's rate on this host, with the threads the overlapped step leaves it, for the streamed split
+        cpu_adam_pps = planner.measure_cpu_adam(max(1, torch.get_num_threads() - 1))
+
     def make_plan(activation_bytes):
         return planner.plan(
             model, list(blocks), batch_shape=s.batch_shape, vram_budget=config.vram_budget, device=device,
@@ -521,7 +527,9 @@ def _make_plan(s: _Setup) -> planner.Plan:
             activation_bytes=activation_bytes, activation_sizes=None if m is None else m.saved_sizes,
             min_activation_bytes=parse_bytes(config.min_activation_bytes),
             input_bytes=None if m is None else m.input_bytes,
-            forward_seconds=None if m is None else m.forward_seconds, head_bytes=head)
+            forward_seconds=None if m is None else m.forward_seconds, head_bytes=head,
+            optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
+            cpu_adam_pps=cpu_adam_pps)
 
     pl = make_plan(None if m is None else m.activation_bytes)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \
@@ -663,9 +671,12 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         if overlap == "auto":
             # in backward, the updates run on the step's worker thread on the CPU device too
             overlap = (streams.is_cuda or config.optimizer_in_backward) and not sinks
+        resident, streamed = set(pl.resident_optimizer), set(pl.streamed_optimizer)
         new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=pl.grads,
                                  param_sink=sinks, overlap_step=bool(overlap),
-                                 optimizer_in_backward=config.optimizer_in_backward)
+                                 optimizer_in_backward=config.optimizer_in_backward,
+                                 resident=[p for p in offload if names.get(id(p)) in resident and p not in sinks],
+                                 streamed=[p for p in offload if names.get(id(p)) in streamed and p not in sinks])
         undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed
         new_opt.set_param_names(model.named_parameters())
         engine.optimizer = new_opt

@@ -22,7 +22,9 @@ def _engine_fields(model, fields: dict) -> None:
     pl = eng.plan
     fields.update(predicted_peak=pl.predicted_peak(), paged_blocks=len(pl.paged_blocks),
                   offloaded_activation_blocks=len(pl.offloaded_activation_blocks), grads=pl.grads,
-                  offloaded_optimizer_params=pl.offload_numel, plan_pcie_bytes=pl.pcie_bytes(),
+                  offloaded_optimizer_params=pl.offload_numel, resident_optimizer_params=pl.resident_numel,
+                  streamed_optimizer_params=pl.streamed_numel, plan_step_floor=pl.predicted_step_floor(),
+                  plan_pcie_bytes=pl.pcie_bytes(),
                   plan=str(pl).splitlines()[0])
 
 
@@ -211,6 +213,9 @@ JOBS = {
     # the nf4 recipe itself, launched as a user launches it (a child process of this run)
     "recipe_nf4": ("lora", lambda shape, full_shape, budget, kw: recipe_sft(shape, **kw)),
     "ts_full": ("full", lambda shape, full_shape, budget, kw: trainstream_full(full_shape, budget, **kw)),
+    # every offloaded parameter stepped by the CPU AdamW: no resident or streamed share (the plan before 2026-12-06)
+    "ts_full_cpu": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, optimizer_resident=False, optimizer_streamed=False, name_suffix=", CPU AdamW only", **kw)),
     # the same with device gradients (the Trainer's setting: its clipping needs them), overlapped and serial steps
     "ts_full_devgrads": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, grads="device", name_suffix=", device grads", **kw)),
