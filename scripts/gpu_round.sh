@@ -4,6 +4,7 @@
 # results plus one summary.log come back in $OUT (the device tool returns few files).
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
+#                                                                   adamw_tests engine_full
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -45,6 +46,10 @@ for s in "$@"; do case $s in
   recipe_70b) run 200 recipe_70b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
       --config configs/llama3-70b-lora-nf4-24gib.yaml --train.steps 6 --output_dir /tmp/sft70b
       cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
+  adamw_tests) run 120 adamw_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_adamw_cuda.py \
+      tests/gpu/test_ops_reference_cuda.py ;;
+  engine_full) run 400 engine_full $B engine --peers full,ds,ts_full,ts_full_cpu,ts_full_inbwd --full-shape llama3.2-3b --warmup 2 \
+      --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;

@@ -506,3 +506,19 @@ def test_paged_parameters_stay_on_the_cpu_share():
 
 def test_measure_cpu_adam_is_a_rate():
     assert 1e6 < planner.measure_cpu_adam(1, numel=1 << 16) < 1e12
+
+
+def test_streamed_share_keeps_its_memory_before_the_resident_share_fills_the_rest():
+    """A streamed element costs its gradient (host-gradient plans), a resident one 12 bytes more: with room for half
+    of the parameters resident, the plan still streams its balanced share and makes resident what is left."""
+    model = _llama(layers=8)
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, grads="host", device_chunk_numel=1024)
+    base = _plan(model, **kw)
+    cpu_pps = base.pcie_bps / 12  # link and CPU equally fast per element
+    need = 16 * base.offload_numel // 2  # half of everything resident (12 bytes + a 4-byte fp32 gradient)
+    budget = int((base.predicted_peak() + base.margin + need) / (1 - planner.DEVICE_SHARE_RESERVE)) + 1
+    pl = _plan(model, vram_budget=budget, optimizer_resident=True, optimizer_streamed=True, cpu_adam_pps=cpu_pps, **kw)
+    assert pl.resident_numel > 0 and pl.streamed_numel > 0.3 * (base.offload_numel - pl.resident_numel)
+    assert pl.fits() and not set(pl.resident_optimizer) & set(pl.streamed_optimizer)
+    only_resident = _plan(model, vram_budget=budget, optimizer_resident=True, optimizer_streamed=False, **kw)
+    assert pl.resident_numel < only_resident.resident_numel

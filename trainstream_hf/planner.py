@@ -857,17 +857,47 @@ def _device_share(pl: Plan, candidates: list[tuple[str, nn.Parameter]], *, resid
 
 
 def _fill_device_share(pl, candidates, resident, streamed, chunk_numel, grad_host) -> None:
+    def grad_bytes(p: nn.Parameter) -> int:
+        return p.numel() * p.element_size() if grad_host else 0
+
     def add(p: nn.Parameter, state: int) -> bool:
-        n = p.numel()
-        g = n * p.element_size() if grad_host else 0
         pl.fixed_bytes += state
-        pl.grad_bytes += g
+        pl.grad_bytes += grad_bytes(p)
         if pl.fits():
             return True
         pl.fixed_bytes -= state
-        pl.grad_bytes -= g
+        pl.grad_bytes -= grad_bytes(p)
         return False
 
+    def split(cands) -> list[tuple[str, nn.Parameter]]:
+        """The parameters to stream, in forward order: each goes where the work so far ends first (the link at 12
+        bytes an element, or the CPU), or up to the fraction ``streamed`` of the elements."""
+        total, taken, t_cpu, t_link, out = sum(p.numel() for _, p in cands), 0, 0.0, 0.0, []
+        for name, p in cands:
+            n = p.numel()
+            if streamed is None:
+                take = t_link + 12 * n / pl.pcie_bps <= t_cpu + n / pl.cpu_adam_pps
+            else:
+                take = taken + n <= streamed * total + 0.5 * n
+            if take:
+                out.append((name, p))
+                taken += n
+                t_link += 12 * n / pl.pcie_bps
+            else:
+                t_cpu += n / pl.cpu_adam_pps
+        return out
+
+    ring = 3 * 12 * chunk_numel
+    # A streamed element costs at most its gradient's 2 bytes of device memory, a resident one 12 more: hold what the
+    # streamed share would need while the resident share takes the rest, so the memory goes first where it saves most.
+    want = split(candidates) if streamed != 0.0 else []
+    hold_f, hold_g = (ring if want else 0), sum(grad_bytes(p) for _, p in want)
+    pl.fixed_bytes += hold_f
+    pl.grad_bytes += hold_g
+    if not pl.fits():
+        pl.fixed_bytes -= hold_f
+        pl.grad_bytes -= hold_g
+        hold_f = hold_g = 0
     rest = []
     for name, p in candidates:
         if resident and add(p, 12 * p.numel()):
@@ -875,27 +905,18 @@ def _fill_device_share(pl, candidates, resident, streamed, chunk_numel, grad_hos
             pl.resident_numel += p.numel()
         else:
             rest.append((name, p))
+    pl.fixed_bytes -= hold_f
+    pl.grad_bytes -= hold_g
     if not rest or streamed == 0.0:
         return
-    ring = 3 * 12 * chunk_numel
-    total = sum(p.numel() for _, p in rest)
     pl.fixed_bytes += ring
     if not pl.fits():
         pl.fixed_bytes -= ring
         return
-    t_cpu = t_link = 0.0
-    for name, p in rest:
-        n = p.numel()
-        if streamed is None:
-            take = t_link + 12 * n / pl.pcie_bps <= t_cpu + n / pl.cpu_adam_pps
-        else:
-            take = pl.streamed_numel + n <= streamed * total + 0.5 * n
-        if take and add(p, 0):
+    for name, p in split(rest):
+        if add(p, 0):
             pl.streamed_optimizer.append(name)
-            pl.streamed_numel += n
-            t_link += 12 * n / pl.pcie_bps
-        else:
-            t_cpu += n / pl.cpu_adam_pps
+            pl.streamed_numel += p.numel()
     if not pl.streamed_optimizer:
         pl.fixed_bytes -= ring
 

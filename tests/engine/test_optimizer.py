@@ -614,3 +614,17 @@ def test_device_share_bad_input(case, msg):
     with pytest.raises(ValueError, match=msg):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(ps, before))  # nothing stepped
+
+
+def test_device_share_in_backward_refuses_a_second_gradient():
+    model = make_model()
+    offload, where = split(model)
+    opt = wrap(torch.optim.AdamW(model.parameters(), **HP), offload, "host", overlap_step=True,
+               optimizer_in_backward=True, resident=where["resident"], streamed=where["streamed"])
+    d = make_data(1, micro=2)[0]
+    x, y = d[0][0], d[1][0]
+    nn.functional.mse_loss(model(x), y).backward()
+    step0 = [s.step.item() for s in opt._device_slots]
+    assert step0 == [1.0] * 4  # the device share stepped from its hooks, in backward
+    with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
+        nn.functional.mse_loss(model(x), y).backward()

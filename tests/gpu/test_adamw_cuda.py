@@ -111,3 +111,20 @@ def test_streamed_overlaps_next_forward():
     _train(ref, ref_opt, clip=False)
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_device_share_in_backward_same_bits():
+    """optimizer_in_backward: resident and streamed updates start from their gradient hooks on the device share's
+    streams while backward runs; the result equals a serial CPU-stepped run bit for bit."""
+    ref, model = _model(), _model()
+    big = lambda m: [m[0].weight, m[1].weight, m[3].weight, m[5].weight]  # noqa: E731
+    ref_opt = OffloadedAdamW(torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1), big(ref),
+                             arena=HostArena(slab_bytes="16MiB"), streams=TransferStreams("cuda"))
+    opt = OffloadedAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), big(model),
+                         arena=HostArena(slab_bytes="16MiB"), streams=TransferStreams("cuda"), grads="host",
+                         overlap_step=True, optimizer_in_backward=True, resident=[model[0].weight],
+                         streamed=[model[1].weight, model[5].weight], device_chunk_numel=60_000)
+    _train(ref, ref_opt, clip=False)
+    _train(model, opt, clip=False)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)

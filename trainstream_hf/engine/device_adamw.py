@@ -73,7 +73,6 @@ class DeviceSteps:
         self._buffers: list[torch.Tensor] | None = None  # ring x (3, chunk) fp32: master, exp_avg, exp_avg_sq
         self._free: list = [None] * ring  # per buffer: the event after its last copy-out
         self._next = 0
-        self._tail = None  # the event after the last copy-out (or compute) of the last step
         self.h2d_bytes = self.d2h_bytes = 0
 
     @staticmethod
@@ -103,7 +102,8 @@ class DeviceSteps:
     def step(self, work, compute_done) -> None:
         """Issues the update of each ``(slot, grad, hyper)`` in ``work``, in that order (grad: the device gradient;
         None skips the slot, as torch skips a parameter without one); sets each slot's ``last_h2d``. Returns once
-        everything is queued (CUDA) or done (CPU).
+        everything is queued (CUDA) or done (CPU). Called once per step with every slot, or once per slot as each
+        gradient is ready (``optimizer_in_backward``): the streams only wait for what each slot reads.
 
         ``compute_done``: an event after every kernel that reads the parameters or writes the gradients (None on the
         CPU); nothing here starts before it.
@@ -111,24 +111,25 @@ class DeviceSteps:
         if not work:
             return
         if self.cuda:
-            for s in (self.copy_in, self.compute):
-                s.wait_event(compute_done)
-                if self._tail is not None:  # the last step's write-backs before this step's reads of the same state
-                    s.wait_event(self._tail)
-        last = None
+            self.copy_in.wait_event(compute_done)
+            self.compute.wait_event(compute_done)
         for slot, grad, h in work:
             if grad is None:
                 continue
-            slot.wait_h2d()  # (a host-side state load since the last step)
+            previous = slot.last_h2d
+            if isinstance(previous, DeviceWrite):
+                if self.cuda and previous.done is not None:  # its host state is back before it is read again
+                    self.copy_in.wait_event(previous.done)
+            else:
+                slot.wait_h2d()  # (a host-side state load since the last step)
             slot.step += 1
             step = int(slot.step.item())
             if self.cuda:
                 grad.record_stream(self.compute)  # zero_grad() on the main stream must not free it under us
             if slot.where == "resident":
-                last = self._resident(slot, grad, h, step)
+                self._resident(slot, grad, h, step)
             else:
-                last = self._streamed(slot, grad, h, step)
-        self._tail = last
+                self._streamed(slot, grad, h, step)
 
     # -- one parameter ---------------------------------------------------------------------------------------
     def _update(self, master, exp_avg, exp_avg_sq, grad, out, h, step) -> None:
@@ -157,7 +158,6 @@ class DeviceSteps:
                              h, step)
             event = self.compute.record_event() if self.cuda else None
         slot.last_h2d = DeviceWrite(event, event)
-        return event
 
     def _streamed(self, slot, grad, h, step):
         p, n, c = slot.param, slot.master.numel(), self.chunk_numel
@@ -192,7 +192,6 @@ class DeviceSteps:
             self.h2d_bytes += 12 * (hi - lo)
             self.d2h_bytes += 12 * (hi - lo)
         slot.last_h2d = DeviceWrite(ready, done)
-        return done
 
     def synchronize(self) -> None:
         """Blocks the host until every update issued is complete, host write-backs included."""

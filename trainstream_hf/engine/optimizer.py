@@ -43,7 +43,7 @@ from torch import nn
 from trainstream_hf import ops
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.device_adamw import DEFAULT_CHUNK_NUMEL, DeviceSteps
-from trainstream_hf.engine.grads import GRAD_MODES, HostGradients, device_grad
+from trainstream_hf.engine.grads import GRAD_MODES, HostGradients, _weak_hook, device_grad
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
 __all__ = ["OffloadedAdamW"]
@@ -152,7 +152,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             accumulation (a second gradient before ``step()`` raises), no skipped steps (``zero_grad()`` after a
             backward without ``step()`` raises: its updates are applied), and an offloaded parameter's value is
             undefined between its gradient and the next forward (which waits for it, as with ``overlap_step``).
-            Resident and streamed parameters are stepped at ``step()`` as usual.
+            Resident and streamed parameters start their device update from the same hook, on the device share's
+            own streams, while backward goes on.
         resident: offloaded parameters whose fp32 master and moments live on the device and are stepped there
             (``engine/device_adamw.py``): no PCIe traffic and no CPU time, 12 bytes of device memory each.
         streamed: offloaded parameters whose state stays in the arena but is stepped on the device, copied over in
@@ -241,6 +242,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._in_backward_error: tuple[int, BaseException] | None = None
         self._step_order: list[_Slot] | None = None  # of the CPU share
         self._device_live = False  # device-share updates issued that the next forward has not waited for yet
+        self._device_mark = (0, 0)  # the device share's byte counters at the end of the last step
         self._rank: dict[int, int] = {}  # id(slot) -> its place in the step order (in-backward priority)
         # Updates queued in backward, most urgent first: (rank, arrival, slot, hyper, compute_done). One worker
         # task per entry; each task pops the most urgent one, not its own.
@@ -265,6 +267,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                     single_term=self.optimizer_in_backward,
                                     hook=self._grad_in_backward if self.optimizer_in_backward else None)
         self._grads.before_read = self._grads_readable
+        self._device_hooks = [s.param.register_post_accumulate_grad_hook(_weak_hook(self._device_grad_in_backward))
+                              for s in self._device_slots] if self.optimizer_in_backward else []
         self._sync_state()
         self._ready = True
 
@@ -355,7 +359,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.synchronize()  # an overlapped previous step must be complete (and its error raised)
         hyper = [_hyper(self._cls, g) for g in self.param_groups]
         self._grads.check_device_grads()  # nothing below runs on bad input
-        device_work = [(slot, device_grad(slot.param), hyper[slot.group]) for slot in self._device_slots]
+        device_work = [(slot, device_grad(slot.param), hyper[slot.group]) for slot in self._device_slots
+                       if slot.param not in self._in_backward]  # (optimizer_in_backward: stepped from its hook)
         for slot, grad, _ in device_work:
             DeviceSteps.check(slot, grad)
         t_step = time.perf_counter()
@@ -399,9 +404,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         (a step that does not overlap)."""
         if self._device_steps is None:
             return
-        before = (self._device_steps.h2d_bytes, self._device_steps.d2h_bytes)
         self._device_steps.step(work, compute_done)
-        self._device_bytes = (self._device_steps.h2d_bytes - before[0], self._device_steps.d2h_bytes - before[1])
         if self.overlap_step:
             self._device_live = True
         else:
@@ -443,8 +446,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Step bookkeeping once every host update of the step is done: gradients consumed, counters, state."""
         self._grads.consume()
         self._steps += 1
-        dev_h2d, dev_d2h = getattr(self, "_device_bytes", (0, 0))
-        self._device_bytes = (0, 0)
+        dev = self._device_steps
+        dev_h2d, dev_d2h = (dev.h2d_bytes - self._device_mark[0], dev.d2h_bytes - self._device_mark[1]) \
+            if dev is not None else (0, 0)
+        if dev is not None:
+            self._device_mark = (dev.h2d_bytes, dev.d2h_bytes)
         self._last_stats = {
             # host mode copies during backward, so count from the end of the previous step
             "step": self._steps, "d2h_bytes": self._grads.d2h_bytes - self._d2h_mark + dev_d2h,
@@ -482,6 +488,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
             heapq.heappush(self._urgent, (self._rank.get(id(slot), len(self._rank)), next(self._arrival), slot, h,
                                           compute_done))
         self._executor().submit(self._update_most_urgent)
+
+    def _device_grad_in_backward(self, p: nn.Parameter) -> None:
+        """The post-accumulate-grad hook of a resident or streamed parameter with ``optimizer_in_backward``: queues its
+        device update on the device share's streams behind the kernels backward has queued so far (its gradient is
+        complete); the host never waits."""
+        if p in self._in_backward:
+            raise RuntimeError("OffloadedAdamW(optimizer_in_backward=True): an offloaded parameter received a second "
+                               "gradient before optimizer.step() (gradient accumulation, or a second backward). Its "
+                               "update was already applied from the first one in backward; accumulation needs "
+                               "optimizer_in_backward=False")
+        slot = self._slots[p]
+        grad = device_grad(p)
+        DeviceSteps.check(slot, grad)
+        h = _hyper(self._cls, self.param_groups[slot.group])  # this step's lr: schedulers step after step()
+        compute_done = torch.cuda.current_stream(self.streams.device).record_event() if self.streams.is_cuda \
+            else None
+        self._in_backward[p] = None
+        self._device_steps.step([(slot, grad, h)], compute_done)
+        self._device_live = True
 
     def _update_most_urgent(self) -> None:
         """A worker task of backward: updates the queued parameter the next forward needs first (lowest place in the
@@ -868,6 +893,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             dst = s.sink if s.sink is not None else p.data
             dst.copy_(s.master.view(dst.shape))
         self._grads.remove_hooks()
+        for h in self._device_hooks:
+            h.remove()
+        self._device_hooks = []
         self._grads.consume()
         self._released = True
 
