@@ -4,7 +4,7 @@
 # results plus one summary.log come back in $OUT (the device tool returns few files).
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
-#                                                                   adamw_tests engine_full
+#                                                                   adamw_tests engine_full engine_full_accum
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -50,6 +50,9 @@ for s in "$@"; do case $s in
       tests/gpu/test_ops_reference_cuda.py ;;
   engine_full) run 400 engine_full $B engine --peers full,ds,ts_full,ts_full_cpu,ts_full_inbwd --full-shape llama3.2-3b --warmup 2 \
       --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
+  engine_full_accum) for a in 2 4 8; do run 400 "engine_full_accum$a" $B engine --peers full,ds,ts_full,ts_full_cpu \
+      --full-shape llama3.2-3b --accum $a --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum$a-$GPU-$SHA"
+      done ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;

@@ -325,3 +325,17 @@ def test_harness_keeps_no_losses_for_steps_that_return_none():
     row = measure_training("y", lambda: ((lambda: torch.tensor(next(values))), None), device=torch.device("cpu"),
                            warmup=1, repeats=2)
     assert row["losses"] == [3.0, 2.0, 1.0]
+
+
+def test_accum_rows_count_every_micro_batch(tmp_path):
+    """--accum N: the full fine-tune rows take N micro-batches per optimizer step and count N x batch x seq tokens."""
+    from trainstream_hf.bench import engine
+
+    payload, _ = peers.run(quick=True, peers=["full", "ts_full"], extra_jobs=engine.JOBS, suite="engine", accum=3,
+                           repeats=2, warmup=1)
+    assert payload["accum"] == 3
+    for r in payload["results"]:
+        assert r["status"] == "ok" and r["accum"] == 3 and "3 micro-batches" in r["name"]
+        assert r["tokens_per_s"] == pytest.approx(3 * 64 / r["step_s"], rel=1e-6)
+    with pytest.raises(ValueError, match="accum"):
+        peers.run(quick=True, peers=["full"], accum=0)

@@ -48,6 +48,9 @@ def main(argv=None) -> None:
                        "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_cpu,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
                        "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: "
                        + ",".join(TABLE_ROWS) + "; host: " + ",".join(HOST_ROWS) + "; cache: " + ",".join(CACHE_ROWS))
+    peers.add_argument("--accum", type=int, default=1,
+                       help="peers, engine: micro-batches per optimizer step of the full fine-tune rows (gradient "
+                            "accumulation; tokens per step = accum x batch x seq)")
     peers.add_argument("--new-tokens", type=int, default=None,
                        help="cache: tokens generated per sequence (with --batch and --seq: one setting instead of "
                             "the two default ones, 8 x 2048 + 128 and 32 x 1024 + 64)")
@@ -106,7 +109,7 @@ def main(argv=None) -> None:
             quick=args.quick, shape=args.shape, full_shape=args.full_shape, batch=args.batch, seq=args.seq,
             warmup=args.warmup, repeats=args.repeats, vram_budget_gib=args.vram_budget_gib,
             peers=args.peers.split(",") if args.peers else None, extra_jobs=extra, suite=args.suite,
-            on_row=on_row)
+            on_row=on_row, accum=args.accum)
     elif args.suite == "quant":
         from trainstream_hf.bench import quant
         payload, md = quant.run(shape=args.shape, seq=args.seq, warmup=args.warmup, repeats=args.repeats,

@@ -38,18 +38,19 @@ def _with_stats(model, step, fields: dict):
 
 
 def _measure_wrapped(name: str, fields: dict, run_device, build, *, shape: str, batch: int, seq: int, seed: int,
-                     warmup: int, repeats: int, vram_budget: Optional[int], **wrap_options) -> dict:
-    """Times ``build()``'s (model, optimizer) wrapped with ``vram_budget``, with the peers' training step."""
+                     warmup: int, repeats: int, vram_budget: Optional[int], accum: int = 1, **wrap_options) -> dict:
+    """Times ``build()``'s (model, optimizer) wrapped with ``vram_budget``, with the peers' training step
+    (``accum`` micro-batches per optimizer step)."""
     def setup():
         model, opt = build()
         model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq),
                              **wrap_options)
         _engine_fields(model, fields)
-        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, run_device, seed)), fields), \
-            lambda: ts.unwrap(model)
+        return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, run_device, seed),
+                                              accum=accum), fields), lambda: ts.unwrap(model)
 
     return measure_training(name, setup, device=run_device, warmup=warmup, repeats=repeats,
-                            vram_budget=vram_budget, tokens=batch * seq, fields=fields)
+                            vram_budget=vram_budget, tokens=accum * batch * seq, fields=fields)
 
 
 def _lora_model(shape: str, build_device, seed: int):
@@ -115,14 +116,16 @@ def trainstream_quant(shape: str = "llama3-8b", vram_budget: Optional[int] = 24 
 
 
 def trainstream_full(shape: str = "llama3.2-3b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,
-                     seq: int = 2048, warmup: int = 2, repeats: int = 5, device=None, seed: int = 0,
+                     seq: int = 2048, warmup: int = 2, repeats: int = 5, device=None, seed: int = 0, accum: int = 1,
                      **options) -> dict:
-    """Full fine-tune: bf16 device weights, fp32 masters + AdamW moments in host RAM, CPU AdamW."""
+    """Full fine-tune: bf16 device weights, fp32 masters + AdamW moments offloaded (the plan splits their steps
+    between the CPU AdamW and the device share); ``accum`` micro-batches per optimizer step."""
     device, fields = _common("trainstream_full", shape, False, batch, seq, device)
+    fields["accum"] = accum
     if shape == "tiny":  # every tensor of the tiny model is below the default size limit: offload them anyway
         options.setdefault("min_offload_numel", 0)
     name = f"trainstream full FT, budget {vram_budget / 2**30:.0f} GiB" if vram_budget else "trainstream full FT"
-    name += options.pop("name_suffix", "")
+    name += options.pop("name_suffix", "") + (f", {accum} micro-batches" if accum > 1 else "")
 
     def build():
         model = build_model(shape, torch.bfloat16, device, seed)
@@ -130,7 +133,7 @@ def trainstream_full(shape: str = "llama3.2-3b", vram_budget: Optional[int] = 24
 
     return _measure_wrapped(name, fields, device, build, shape=shape, batch=batch, seq=seq, seed=seed,
                             warmup=warmup, repeats=repeats, vram_budget=vram_budget, offload_optimizer=True,
-                            **options)
+                            accum=accum, **options)
 
 
 def trainstream_paged(shape: str = "qwen2.5-32b", vram_budget: Optional[int] = 24 * 2**30, *, batch: int = 1,

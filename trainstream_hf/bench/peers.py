@@ -52,13 +52,15 @@ def _enable_checkpointing(model, frozen_base: bool) -> None:
         model.enable_input_require_grads()
 
 
-def _plain_step(model, opt, inputs, autocast: Optional[torch.dtype] = None) -> Step:
+def _plain_step(model, opt, inputs, autocast: Optional[torch.dtype] = None, accum: int = 1) -> Step:
+    """One optimizer step over ``accum`` micro-batches (the same batch each time; the loss scaled by 1 / accum)."""
     dev_type = inputs["input_ids"].device.type
 
     def step():
-        with torch.autocast(dev_type, dtype=autocast, enabled=autocast is not None):
-            loss = model(**inputs).loss
-        loss.backward()
+        for _ in range(accum):
+            with torch.autocast(dev_type, dtype=autocast, enabled=autocast is not None):
+                loss = model(**inputs).loss
+            (loss / accum if accum > 1 else loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -220,17 +222,20 @@ def bnb_qlora(shape: str = "llama3-8b", grad_ckpt: bool = False, *, batch: int =
 
 def torch_full(shape: str = "llama3.2-3b", grad_ckpt: bool = False, *, batch: int = 1, seq: int = 2048,
                warmup: int = 3, repeats: int = 10, device=None, vram_budget: Optional[int] = None,
-               seed: int = 0) -> dict:
+               seed: int = 0, accum: int = 1) -> dict:
     """Full fine-tune in plain PyTorch: fp32 master parameters, bf16 autocast, fused AdamW on the device.
 
     Args:
         shape, grad_ckpt, batch, seq, warmup, repeats, device, vram_budget, seed: as :func:`peft_lora`.
+        accum: micro-batches per optimizer step (gradient accumulation); tokens per step = accum x batch x seq.
 
     Returns:
         The result row, with ``params``.
     """
     device, fields = _common("torch_full", shape, grad_ckpt, batch, seq, device)
-    name = f"torch AdamW fused, fp32 master + bf16 autocast{', grad ckpt' if grad_ckpt else ''}"
+    fields["accum"] = accum
+    name = f"torch AdamW fused, fp32 master + bf16 autocast{', grad ckpt' if grad_ckpt else ''}" + \
+        (f", {accum} micro-batches" if accum > 1 else "")
 
     def setup():
         model = build_model(shape, torch.float32, device, seed)
@@ -238,10 +243,10 @@ def torch_full(shape: str = "llama3.2-3b", grad_ckpt: bool = False, *, batch: in
             _enable_checkpointing(model, frozen_base=False)
         fields["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
-        return _plain_step(model, opt, _batch(shape, batch, seq, device, seed), torch.bfloat16), None
+        return _plain_step(model, opt, _batch(shape, batch, seq, device, seed), torch.bfloat16, accum), None
 
     return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats,
-                            vram_budget=vram_budget, tokens=batch * seq, fields=fields)
+                            vram_budget=vram_budget, tokens=accum * batch * seq, fields=fields)
 
 
 def _init_single_rank(deepspeed) -> None:
@@ -284,7 +289,7 @@ def zero2_offload_config(batch: int, **overrides) -> dict:
 def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
                             vram_budget: Optional[int] = None, *, batch: int = 1, seq: int = 2048,
                             warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
-                            ds_overrides: Optional[dict] = None, lora: bool = False) -> dict:
+                            ds_overrides: Optional[dict] = None, lora: bool = False, accum: int = 1) -> dict:
     """Full fine-tune with DeepSpeed ZeRO-2 + CPU optimizer offload (DeepSpeedCPUAdam), one process; with ``lora``,
     PEFT LoRA (the peers' r16 on every linear layer) over the frozen bf16 base instead, DeepSpeed holding the
     adapters' optimizer state in host RAM (lr 1e-4, the other LoRA rows').
@@ -296,6 +301,7 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
         shape, grad_ckpt, batch, seq, warmup, repeats, device, seed: as :func:`peft_lora`.
         vram_budget: allocator cap in bytes (the reference run uses 24 GiB).
         ds_overrides: top-level keys replacing those of :func:`zero2_offload_config`.
+        accum: micro-batches per optimizer step (DeepSpeed's ``gradient_accumulation_steps``).
 
     Returns:
         The result row; ``status`` is ``"not run: ..."`` without deepspeed, its op, or CUDA.
@@ -303,7 +309,8 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
     device, fields = _common("deepspeed_zero2_offload" + ("_lora" if lora else ""), shape, grad_ckpt, batch, seq,
                              device)
     name = (f"DeepSpeed ZeRO-2{' + PEFT LoRA r16' if lora else ''}, offload_optimizer cpu, bf16"
-            f"{', grad ckpt' if grad_ckpt else ''}")
+            f"{', grad ckpt' if grad_ckpt else ''}" + (f", {accum} micro-batches" if accum > 1 else ""))
+    fields["accum"] = accum
     if importlib.util.find_spec("deepspeed") is None:
         return not_run(name, "deepspeed not installed", **fields)
     if device.type != "cuda":
@@ -327,7 +334,7 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
         _init_single_rank(deepspeed)
     except Exception as err:  # noqa: BLE001
         return not_run(name, f"1-rank process group failed: {type(err).__name__}: {err}", **fields)
-    config = zero2_offload_config(batch, **(ds_overrides or {}))
+    config = zero2_offload_config(batch, **{"gradient_accumulation_steps": accum, **(ds_overrides or {})})
     if lora:
         config["optimizer"]["params"]["lr"] = 1e-4
 
@@ -347,14 +354,15 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
         inputs = _batch(shape, batch, seq, device, seed)
 
         def step():
-            loss = engine(**inputs).loss
-            engine.backward(loss)
-            engine.step()
+            for _ in range(accum):  # DeepSpeed scales the loss and steps the optimizer on the last micro-batch
+                loss = engine(**inputs).loss
+                engine.backward(loss)
+                engine.step()
             return loss.detach()
         return step, engine.destroy
 
     return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats,
-                            vram_budget=vram_budget, tokens=batch * seq, fields=fields)
+                            vram_budget=vram_budget, tokens=accum * batch * seq, fields=fields)
 
 
 def cpu_adamw_time(numel: int, threads: Optional[int] = None, *, repeats: int = 5, warmup: int = 1) -> dict:
@@ -477,7 +485,7 @@ def pcie_figures(row: dict, bandwidth: dict) -> Optional[dict]:
 def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[str] = None, batch: int = 1,
         seq: Optional[int] = None, warmup: Optional[int] = None, repeats: Optional[int] = None,
         vram_budget_gib: Optional[float] = 24.0, peers=None, extra_jobs: Optional[dict] = None,
-        suite: str = "peers", on_row: Optional[Callable[[dict], None]] = None) -> tuple[dict, str]:
+        suite: str = "peers", on_row: Optional[Callable[[dict], None]] = None, accum: int = 1) -> tuple[dict, str]:
     """Runs the peers side by side; returns (JSON payload, markdown report).
 
     Args:
@@ -493,6 +501,7 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
         suite: the payload's ``suite`` field.
         on_row: called after each row with the payload so far (rows under ``results``, ``partial: True``), so a
             run cut short by a time limit keeps the rows it measured.
+        accum: micro-batches per optimizer step of the full fine-tune rows (group ``full``; the others take one).
 
     Returns:
         ``(payload, markdown)``: rows under ``results`` (each with ``group``, ``key`` and ``x_first``, the
@@ -510,22 +519,25 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
     unknown = set(chosen) - set(known)
     if unknown:
         raise ValueError(f"unknown peers {sorted(unknown)}; choose from {known}")
+    if not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum: micro-batches per optimizer step, an int >= 1, got {accum!r}")
+    kw_full = {**kw, "accum": accum}
     full_numel = sum(p.numel() for p in build_model(full_shape, device="meta").parameters())
     jobs = {
         "peft": ("lora", lambda: peft_lora(shape, False, **kw)),
         "peft_ckpt": ("lora", lambda: peft_lora(shape, True, **kw)),
         "bnb": ("lora", lambda: bnb_qlora(shape, False, **kw)),
         "bnb_ckpt": ("lora", lambda: bnb_qlora(shape, True, **kw)),
-        "full": ("full", lambda: torch_full(full_shape, False, **kw)),
-        "ds": ("full", lambda: deepspeed_zero2_offload(full_shape, False, budget, **kw)),
-        "ds_ckpt": ("full", lambda: deepspeed_zero2_offload(full_shape, True, budget, **kw)),
+        "full": ("full", lambda: torch_full(full_shape, False, **kw_full)),
+        "ds": ("full", lambda: deepspeed_zero2_offload(full_shape, False, budget, **kw_full)),
+        "ds_ckpt": ("full", lambda: deepspeed_zero2_offload(full_shape, True, budget, **kw_full)),
         "cpu_adamw": ("optimizer", lambda: cpu_adamw_time(2_000_000 if quick else full_numel,
                                                      repeats=kw["repeats"])),
     }
     for key, (group, fn) in extra_jobs.items():
-        jobs[key] = (group, lambda fn=fn: fn(shape, full_shape, budget, kw))
+        jobs[key] = (group, lambda fn=fn, group=group: fn(shape, full_shape, budget, kw_full if group == "full" else kw))
     payload: dict = {"suite": suite, "quick": quick, "shape": shape, "full_shape": full_shape,
-                     "full_params": full_numel, "vram_budget": budget, **kw}
+                     "full_params": full_numel, "vram_budget": budget, "accum": accum, **kw}
     payload["bandwidth"] = measure_pinned_bandwidth(repeats=kw["repeats"]) if "bandwidth" in chosen \
         else {"status": "not run: not selected"}
     rows = []
