@@ -522,3 +522,20 @@ def test_streamed_share_keeps_its_memory_before_the_resident_share_fills_the_res
     assert pl.fits() and not set(pl.resident_optimizer) & set(pl.streamed_optimizer)
     only_resident = _plan(model, vram_budget=budget, optimizer_resident=True, optimizer_streamed=False, **kw)
     assert pl.resident_numel < only_resident.resident_numel
+
+
+def test_host_budget_checkpoints_offloaded_blocks_keeping_their_input_in_host_ram():
+    """Long sequences: offloaded activations that would pass the host RAM the arena may pin become checkpointed
+    blocks whose input alone waits there, first block first, while the device budget still fits."""
+    model = _llama(layers=6)
+    kw = dict(offload_activations=True, batch_shape=(1, 256))
+    full = _plan(model, **kw)
+    assert [b.activations for b in full.blocks] == ["host"] * 6
+    per_block = full.blocks[0].host_activation_bytes()
+    assert full.blocks[0].input_bytes < per_block
+    saved = per_block - full.blocks[0].input_bytes  # what checkpointing one offloaded block saves in host RAM
+    budget = full.host_bytes() - 2 * saved  # exactly two blocks' worth too little
+    pl = _plan(model, host_budget=budget, **kw)
+    assert [b.activations for b in pl.blocks][:3] == ["recompute_host"] * 2 + ["host"]
+    assert pl.host_bytes() <= budget and pl.fits()
+    assert _plan(model, host_budget=full.host_bytes(), **kw).host_bytes() == full.host_bytes()  # enough: unchanged

@@ -624,7 +624,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          forward_seconds: float | None = None, recompute="auto", head_bytes: int | None = None,
          activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0,
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
-         device_chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> Plan:
+         device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -662,6 +662,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             device until the step: as many as fit.
         cpu_adam_pps: the CPU AdamW's elements per second, measured (``measure_cpu_adam``); None: a default.
         device_chunk_numel: elements per chunk of the streamed ring (3 chunks of 12 bytes an element).
+        host_budget: host RAM the plan may fill (None: unlimited). When offloaded activations would pass it (long
+            sequences), blocks that can be recomputed keep only their input in host RAM (``recompute_host``), first
+            block first, as long as the device still fits.
 
     Warns:
         RuntimeWarning: a forced ``page_weights=True`` or ``offload_activations=True`` that cannot move anything
@@ -815,6 +818,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         settle(True, True, only=paged_trainable)
     elif paged_trainable and pl.offload_optimizer and pl.grads == "device":
         settle(True, True)
+    if host_budget is not None and pl.host_bytes() > host_budget:
+        _fit_host(pl, int(host_budget))
     if not pl.fits():
         raise BudgetError(
             f"vram_budget {budget / GiB:.2f} GiB is below the minimum this model needs with every block's "
@@ -830,6 +835,18 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         _device_share(pl, candidates, resident=optimizer_resident is True or (optimizer_resident == "auto" and cuda),
                       streamed=_streamed_fraction(optimizer_streamed, cuda), chunk_numel=device_chunk_numel)
     return pl
+
+
+def _fit_host(pl: Plan, host_budget: int) -> None:
+    """Offloaded blocks become checkpointed ones whose input alone waits in host RAM, first block first, until the
+    plan's host bytes fit ``host_budget`` (a block whose change would pass the device budget stays as it is)."""
+    for b in pl.blocks:
+        if pl.host_bytes() <= host_budget:
+            return
+        if b.activations == "host" and b.can_recompute:
+            b.activations = "recompute_host"
+            if not pl.fits():
+                b.activations = "host"
 
 
 def _streamed_fraction(option, cuda: bool) -> float | None:

@@ -517,6 +517,15 @@ def _make_plan(s: _Setup) -> planner.Plan:
         # the CPU AdamW's rate on this host, with the threads the overlapped step leaves it, for the streamed split
         cpu_adam_pps = planner.measure_cpu_adam(max(1, torch.get_num_threads() - 1))
 
+    host_budget = None
+    if config.host_arena == "auto":
+        # what the arena may pin: MemAvailable less its margin, plus the parameters now in host RAM, which the pager
+        # moves into it (or which go to the device) block by block
+        available = host_memory_available()
+        if available is not None:
+            host_budget = available - 2**30 + sum(p.numel() * p.element_size() for p in model.parameters()
+                                                 if p.device.type == "cpu")
+
     def make_plan(activation_bytes):
         return planner.plan(
             model, list(blocks), batch_shape=s.batch_shape, vram_budget=config.vram_budget, device=device,
@@ -529,7 +538,7 @@ def _make_plan(s: _Setup) -> planner.Plan:
             input_bytes=None if m is None else m.input_bytes,
             forward_seconds=None if m is None else m.forward_seconds, head_bytes=head,
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
-            cpu_adam_pps=cpu_adam_pps)
+            cpu_adam_pps=cpu_adam_pps, host_budget=host_budget)
 
     pl = make_plan(None if m is None else m.activation_bytes)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \
