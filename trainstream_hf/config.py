@@ -156,9 +156,10 @@ class TrainStreamConfig:
     compile_blocks: bool | str = field(default=False, metadata={
         "help": "Compile each decoder block's forward as one region with torch.compile (norms, RoPE, SwiGLU, casts "
                 "and adapter glue fused; one compiled graph shared by the blocks of one structure); the engine's "
-                "hooks, paging and offload stay outside it. True: torch.compile's default backend (inductor); a "
-                "string: that backend ('aot_eager' traces without generating kernels); False: eager. The first step "
-                "pays the compilation. The same maths, not the same bits (trainstream_hf/engine/compiled.py)."})
+                "hooks, paging and offload stay outside it; generation and evaluation calls run eager. 'auto': on "
+                "CUDA with Triton, eager with one warning if compilation fails; True: torch.compile's default backend "
+                "(inductor); a string: that backend ('aot_eager' traces without generating kernels); False: eager. The "
+                "first step pays the compilation. The same maths, not the same bits (trainstream_hf/engine/compiled.py)."})
     elide_casts: str | bool = field(default="auto", metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "
@@ -194,7 +195,7 @@ class TrainStreamConfig:
         if not isinstance(self.compile_blocks, (bool, str)) or self.compile_blocks == "":
             raise ValueError(f"compile_blocks: True, False or a torch.compile backend name, got "
                              f"{self.compile_blocks!r}")
-        if isinstance(self.compile_blocks, str):
+        if isinstance(self.compile_blocks, str) and self.compile_blocks != "auto":
             import torch._dynamo
 
             if self.compile_blocks not in torch._dynamo.list_backends(exclude_tags=()):

@@ -36,7 +36,7 @@ from trainstream_hf.engine.allocator import enable_expandable_segments, wants_ex
 from trainstream_hf.engine.arena import HostArena, host_memory_available
 from trainstream_hf.engine.blocks import check_wrappable, find_blocks
 from trainstream_hf.engine.casts import CastSources
-from trainstream_hf.engine.compiled import CompiledBlocks, drop_cache
+from trainstream_hf.engine.compiled import CompiledBlocks, drop_cache, inductor_usable
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
@@ -695,11 +695,15 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         _track_masters(model, engine.optimizer, undo)
     engine.plan = pl
     engine.casts, engine.norms, engine.loss_owner, engine.fused_head = s.casts, s.norms, s.loss_owner, s.fused_head
-    if s.config.compile_blocks:
+    compile_mode = s.config.compile_blocks
+    if compile_mode == "auto":
+        compile_mode = inductor_usable(device)
+    if compile_mode:
         # After the plan: the block is measured eager (it saves more than compiled, so the plan errs on the safe
         # side) and compiles at the first training step, under the loop's own autocast and grad mode. Before the
         # checkpoints, which then wrap the compiled forward; the patched modules above are inside the region.
-        s.compiled = CompiledBlocks("inductor" if s.config.compile_blocks is True else s.config.compile_blocks)
+        s.compiled = CompiledBlocks("inductor" if compile_mode is True else compile_mode,
+                                    fallback=s.config.compile_blocks == "auto")
         undo.callback(s.compiled.uninstall)
         s.compiled.install(blocks)
     engine.tiled, engine.compiled = s.tiled, s.compiled

@@ -245,3 +245,62 @@ def test_a_compiled_quantized_block_saves_no_more_than_eager():
         saved[compiled] = total[0]
         ts.unwrap(m)
     assert saved["aot_eager"] <= saved[False], saved
+
+
+def _counting_backend(calls: list):
+    def backend(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return gm.forward
+    return backend
+
+
+def test_only_training_calls_run_compiled():
+    """generate() and evaluation write a cache per layer: they run eager, so the blocks' shared graph never meets a
+    per-layer guard; a training call compiles."""
+    model = _llama()
+    calls = []
+    compiled = CompiledBlocks(_counting_backend(calls))
+    compiled.install(list(model.model.layers))
+    ids = _batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
+    model(input_ids=ids, labels=ids)  # eval mode, grad on: eager too
+    assert calls == []
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls
+    compiled.uninstall()
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("no kernels here")
+
+
+def test_auto_falls_back_to_eager_with_one_warning_and_true_raises():
+    ref, model = _llama(), _llama()
+    ids = _batches(1)[0]
+    want = ref(input_ids=ids, labels=ids).loss
+    compiled = CompiledBlocks(_failing_backend, fallback=True)
+    compiled.install(list(model.model.layers))
+    with pytest.warns(RuntimeWarning, match="compile_blocks='auto': torch.compile of the decoder blocks failed"):
+        got = model(input_ids=ids, labels=ids).loss
+    assert torch.equal(got, want) and compiled.failed
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")
+        assert torch.equal(model(input_ids=ids, labels=ids).loss, want)  # eager from now on, no second warning
+    compiled.uninstall()
+    strict = CompiledBlocks(_failing_backend)
+    strict.install(list(model.model.layers))
+    with pytest.raises(Exception, match="no kernels here"):
+        model(input_ids=ids, labels=ids)
+    strict.uninstall()
+
+
+def test_auto_compiles_only_on_cuda_with_triton():
+    model, _ = ts.wrap(_llama(), None, device="cpu", vram_budget="8GiB", host_arena=None, compile_blocks="auto")
+    assert ts.engine_of(model).compiled is None
+    from trainstream_hf.engine.compiled import inductor_usable
+    assert not inductor_usable(torch.device("cpu"))
+    ts.unwrap(model)

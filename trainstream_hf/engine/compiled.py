@@ -13,7 +13,9 @@ eager, which saves more than the compiled region: a safe plan) so that the first
 loop's own autocast and grad mode. The region runs without common-subexpression elimination across the joint graph
 (:func:`_compiled_forward` says why).
 
-What is compiled is the block's own ``forward``, set on the instance; ``Module.__call__`` and its hooks stay
+Only training calls (``training`` and grad mode on) run compiled; generation and evaluation run the eager forward.
+With ``compile_blocks='auto'`` (on CUDA with Triton) a first compilation that fails warns once and leaves the blocks
+eager. What is compiled is the block's own ``forward``, set on the instance; ``Module.__call__`` and its hooks stay
 outside the region. The engine's block hooks (weight paging, the saved-tensor context of activation offload, the
 overlapped optimizer step) therefore run eagerly around it, and the checkpoint of a recomputed block wraps the compiled
 forward (recomputation runs the same compiled code). The compiled autograd function saves its tensors through
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Sequence
 
 import torch
@@ -73,22 +76,59 @@ def drop_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return args
 
 
-def _compiled_forward(layer: nn.Module, compiled, *args, **kwargs):
-    if layer.training and torch.is_grad_enabled():  # one compiled graph for every block: no per-layer cache state
-        args = drop_cache(layer, args, kwargs)
+def _compiled_forward(owner: "CompiledBlocks", layer: nn.Module, eager, compiled, *args, **kwargs):
+    # Training calls only: one compiled graph serves every block because a training call carries no per-layer state
+    # (no cache). A call that writes a cache (generate(), evaluation) would reach a guard per layer and recompile
+    # for each: it runs eager, as does every call once compilation has failed with fallback on.
+    if not (layer.training and torch.is_grad_enabled()) or owner.failed is not None:
+        return eager(*args, **kwargs)
+    args = drop_cache(layer, args, kwargs)
     # No common-subexpression elimination across the joint graph: a quantized layer decodes its weight in the
     # forward and again in the backward (from the packed tensors it saves), and merging the two decodes would save
     # every dense weight for the backward: the whole bf16 model (out of memory at 24 GiB on the 8B table row at
     # 66d2b61, benchmarks/NOTES.md); without it the region saves less than eager does.
+    if owner.fallback and not owner.compiled_once:
+        try:
+            with torch._functorch.config.patch(cse=False):
+                out = compiled(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any failure to compile: eager from now on, said once
+            owner.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            warnings.warn(f"compile_blocks='auto': torch.compile of the decoder blocks failed ({owner.failed}); they "
+                          "run eager from now on (set compile_blocks=False to skip the attempt, or True to see the "
+                          "error)", RuntimeWarning, stacklevel=2)
+            return eager(*args, **kwargs)
+        owner.compiled_once = True
+        return out
     with torch._functorch.config.patch(cse=False):
         return compiled(*args, **kwargs)
 
 
-class CompiledBlocks:
-    """Compiles the blocks' forwards on :meth:`install`; :meth:`uninstall` gives each its previous forward back."""
+def inductor_usable(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can generate kernels for ``device``'s training step here: CUDA with
+    Triton installed (``compile_blocks='auto'`` compiles only then)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # pragma: no cover - torch without the helper
+        return False
+    return bool(has_triton())
 
-    def __init__(self, backend: str = "inductor"):
+
+class CompiledBlocks:
+    """Compiles the blocks' forwards on :meth:`install`; :meth:`uninstall` gives each its previous forward back.
+
+    Args:
+        backend: torch.compile's backend.
+        fallback: a failure of the first compiled call warns once and leaves every block eager (``compile_blocks=
+            'auto'``); without it the error is raised (an explicit request).
+    """
+
+    def __init__(self, backend: str = "inductor", *, fallback: bool = False):
         self.backend = backend
+        self.fallback = bool(fallback)
+        self.failed: str | None = None  # why compilation failed, once it has (fallback)
+        self.compiled_once = False
         self._saved: list[tuple[nn.Module, object]] = []
 
     def install(self, blocks: Sequence[nn.Module]) -> int:
@@ -98,7 +138,7 @@ class CompiledBlocks:
             inner = block.__dict__.get("forward", _MISSING)
             self._saved.append((block, inner))
             fn = inner if inner is not _MISSING else type(block).forward.__get__(block)
-            block.__dict__["forward"] = functools.partial(_compiled_forward, block,
+            block.__dict__["forward"] = functools.partial(_compiled_forward, self, block, fn,
                                                           torch.compile(fn, backend=self.backend))
         return len(self._saved)
 
