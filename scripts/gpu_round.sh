@@ -5,6 +5,7 @@
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 #                                                                   adamw_tests engine_full engine_full_accum
+#                                                                   engine_full_nods (no DeepSpeed row) cache longest
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -53,6 +54,11 @@ for s in "$@"; do case $s in
   engine_full_accum) for a in 2 4 8; do run 400 "engine_full_accum$a" $B engine --peers full,ds,ts_full,ts_full_cpu \
       --full-shape llama3.2-3b --accum $a --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum$a-$GPU-$SHA"
       done ;;
+  engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_cpu,ts_full_inbwd \
+      --full-shape llama3.2-3b --warmup 2 --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
+  cache) run 300 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;
+  longest) run 500 longest $B table --longest --shape llama3.1-8b --peers ts_nf4 --seq 65536 --granularity 32768 \
+      --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;
