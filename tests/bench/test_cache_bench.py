@@ -37,3 +37,18 @@ def test_kv_bytes_count_k_and_v_of_every_kv_head():
 def test_unknown_rows_are_named():
     with pytest.raises(ValueError, match=r"unknown row\(s\) \['nope'\]; choose from dynamic"):
         cache.run(rows=["nope"], quick=True)
+
+
+def test_a_failing_row_is_a_result_and_the_others_run(monkeypatch):
+    real = cache.measure_row
+
+    def flaky(row, *a, **kw):
+        if row == "ts_0.5":
+            raise RuntimeError("copy engine on fire\nsecond line")
+        return real(row, *a, **kw)
+
+    monkeypatch.setattr(cache, "measure_row", flaky)
+    payload, md = cache.run(quick=True, repeats=1, rows=["dynamic", "ts_0.5", "ts_0.0"])
+    rows = {r["row"]: r for r in payload["results"]}
+    assert rows["ts_0.5"]["status"] == "error: RuntimeError: copy engine on fire"
+    assert rows["dynamic"]["status"] == "ok" and rows["ts_0.0"]["status"] == "ok"

@@ -91,6 +91,19 @@ def measure_row(row: str, model, ids: torch.Tensor, new: int, repeats: int) -> d
     return out
 
 
+def _guarded_row(row: str, model, ids, new: int, repeats: int) -> dict:
+    """:func:`measure_row`, or the row's failure as its status (out of memory, or the error's first line): one row's
+    failure is a result, and the others still run."""
+    try:
+        return {"status": "ok", **measure_row(row, model, ids, new, repeats)}
+    except torch.OutOfMemoryError as err:
+        status = f"out of memory: {str(err).splitlines()[0][:160]}"
+    except Exception as err:  # noqa: BLE001 - reported in the table, not raised
+        status = f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+    free_memory()
+    return {"row": row, "status": status}
+
+
 def run(*, shape: Optional[str] = None, settings=None, rows: Optional[list[str]] = None, repeats: int = 3,
         quick: bool = False, device: Optional[torch.device] = None) -> tuple[dict, str]:
     """Every row of :data:`ROWS` (or ``rows``) for each ``(batch, prompt, new)`` of ``settings``; returns (payload,
@@ -118,7 +131,7 @@ def run(*, shape: Optional[str] = None, settings=None, rows: Optional[list[str]]
                                 generator=torch.Generator().manual_seed(1)).to(device)
             measured = [{"row": r, "status": "not run: transformers' offloading copies on CUDA streams"}
                         if r == "dynamic_offloaded" and device.type != "cuda" else
-                        {"status": "ok", **measure_row(r, model, ids, new, repeats)} for r in rows]
+                        _guarded_row(r, model, ids, new, repeats) for r in rows]
             ref = next((m for m in measured if m["row"] == "dynamic"), None)
             ref_tokens = None if ref is None else ref["tokens"]
             mean_ctx = prompt + new // 2
