@@ -42,6 +42,13 @@ ROWS: dict[str, tuple[str, str, str, dict]] = {
     "ts_nf4": ("trainstream nf4", "engine", "trainstream_quant", dict(quantize="nf4")),
     "ts_nf4_compiled": ("trainstream nf4, compiled blocks", "engine", "trainstream_quant",
                         dict(quantize="nf4", compile_blocks=True, name_suffix=", compiled blocks")),
+    # every block's saved activations in host RAM (forced): the row set beside Unsloth's offloaded checkpointing,
+    # where memory is short
+    "ts_nf4_offload": ("trainstream nf4, activations offloaded", "engine", "trainstream_quant",
+                       dict(quantize="nf4", offload_activations=True, name_suffix=", activations offloaded")),
+    "ts_nf4_offload_compiled": ("trainstream nf4, activations offloaded, compiled blocks", "engine",
+                                "trainstream_quant", dict(quantize="nf4", offload_activations=True, compile_blocks=True,
+                                                          name_suffix=", activations offloaded, compiled blocks")),
     "ts_fp8": ("trainstream fp8", "engine", "trainstream_quant", dict(quantize="fp8")),
     "ts_auto": ("trainstream bf16 base, auto plan", "engine", "trainstream_lora", {}),
     "bnb": ("bitsandbytes QLoRA nf4 + PEFT", "peers", "bnb_qlora", dict(grad_ckpt=False)),
