@@ -20,6 +20,8 @@ def test_parse_bytes_rejects(bad):
 def test_config_defaults_and_dict():
     cfg = TrainStreamConfig()
     assert cfg.host_arena == "auto" and cfg.quantize is None
+    assert (cfg.optimizer_resident, cfg.optimizer_streamed) == ("auto", "auto")
+    assert TrainStreamConfig(optimizer_streamed=0.25).optimizer_streamed == 0.25
     assert cfg.to_dict()["outliers"] == 0.0
 
 
@@ -32,6 +34,9 @@ def test_config_defaults_and_dict():
     ({"host_arena_slab": "1MiB"}, "2 MiB"),
     ({"fused_loss": "sometimes"}, "fused_loss"),
     ({"tiled_mlp": 2}, "tiled_mlp"),
+    ({"optimizer_resident": "yes"}, "optimizer_resident: 'auto', True or False"),
+    ({"optimizer_streamed": 1.5}, r"optimizer_streamed: 'auto', True, False or a fraction in \[0, 1\]"),
+    ({"optimizer_streamed": "half"}, "optimizer_streamed"),
 ])
 def test_config_rejects(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
