@@ -30,6 +30,7 @@ from trainstream_hf.bench.common import markdown_table, median_time
 from trainstream_hf.bench.harness import Step, default_device, free_memory, measure_training, not_run
 from trainstream_hf.bench.models import build_model, make_batch, model_config
 from trainstream_hf.train.processes import free_port
+from trainstream_hf.train.baseline import nf4_linear, quantize_linears_nf4_  # noqa: F401 (nf4_linear: bench.quant)
 
 GiB, MiB = 2**30, 2**20
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -105,55 +106,6 @@ def peft_lora(shape: str = "llama3-8b", grad_ckpt: bool = False, *, batch: int =
 
     return measure_training(name, setup, device=device, warmup=warmup, repeats=repeats,
                             vram_budget=vram_budget, tokens=batch * seq, fields=fields)
-
-
-def quantize_linears_nf4_(model, device: torch.device, compute_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Replaces every ``nn.Linear`` but the LM head by a bitsandbytes NF4 ``Linear4bit``, one at a time.
-
-    Each bf16 weight is quantized (blocksize 64, double quantization of the absmax statistics, as
-    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)``
-    does) and its module dropped before the next, so the allocator reuses the freed bf16 blocks.
-    The model is marked ``is_loaded_in_4bit`` so PEFT dispatches its bnb LoRA layer, as it would for a
-    ``from_pretrained(quantization_config=...)`` model.
-
-    Args:
-        model: a transformers causal LM on ``device``.
-        device: a CUDA device (quantization happens on moving a ``Params4bit`` there).
-        compute_dtype: dtype the 4-bit matmuls dequantize to.
-
-    Returns:
-        The number of layers replaced.
-    """
-    head = model.get_output_embeddings()
-    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    for qualname in targets:
-        old = model.get_submodule(qualname)
-        new = nf4_linear(old, device, compute_dtype)
-        parent, _, child = qualname.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-        del old
-    model.is_loaded_in_4bit = True
-    return len(targets)
-
-
-def nf4_linear(linear: torch.nn.Linear, device: torch.device,
-               compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A frozen bitsandbytes NF4 ``Linear4bit`` of ``linear`` (blocksize 64, double quant), on ``device``.
-
-    The settings of ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)``; quantization happens when the
-    ``Params4bit`` moves to ``device`` (CUDA). ``linear``'s bias tensor is shared, frozen.
-    """
-    import bitsandbytes as bnb
-
-    new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                            compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-                            quant_storage=torch.uint8, device="meta")
-    new.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
-                                   quant_type="nf4", quant_storage=torch.uint8, module=new).to(device)
-    if linear.bias is not None:
-        new.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
-    return new
 
 
 def bnb_qlora(shape: str = "llama3-8b", grad_ckpt: bool = False, *, batch: int = 1, seq: int = 2048,

@@ -13,7 +13,7 @@ on the CPU; peak memory over the timed steps):
 
 * ``bf16``: ``nn.Linear`` with a frozen bf16 weight (cuBLAS GEMMs): the ratio ``x_bf16`` is over this row.
 * ``bnb_nf4``: bitsandbytes ``Linear4bit`` NF4, double quant, bf16 compute (the QLoRA peer, built by
-  :func:`trainstream_hf.bench.peers.nf4_linear`): the ratio ``x_bnb`` is over this row. Needs CUDA.
+  :func:`trainstream_hf.train.baseline.nf4_linear`): the ratio ``x_bnb`` is over this row. Needs CUDA.
 * trainstream ``QuantLinear``: int8 and nf4 (weight-only), fp8 W8A8 (``act_quant=True``: the tensor-core path on
   sm_89+), the same with ``outliers=0.01`` (what outlier protection costs), fp8 weight-only, nvfp4 weight-only
   (the path on sm_90 and the CPU: FP4 tensor cores need sm_100+) and nvfp4 W4A4 (``act_quant=True``; run only on
@@ -158,7 +158,7 @@ def bnb_nf4_row(linears, tokens, device, warmup, repeats, seed=0) -> dict:
         import bitsandbytes
     except Exception as err:  # noqa: BLE001 - a broken install is a reason, not a crash
         return not_run(name, f"bitsandbytes import failed: {type(err).__name__}: {err}", key="bnb_nf4", **fields)
-    from trainstream_hf.bench.peers import nf4_linear
+    from trainstream_hf.train.baseline import nf4_linear
 
     fields["path"] = f"bnb.matmul_4bit (bitsandbytes {bitsandbytes.__version__})"
 
