@@ -519,12 +519,14 @@ def _make_plan(s: _Setup) -> planner.Plan:
 
     host_budget = None
     if config.host_arena == "auto":
-        # what the arena may pin: MemAvailable less its margin, plus the parameters now in host RAM, which the pager
-        # moves into it (or which go to the device) block by block
+        # what the arena may pin: MemAvailable less a reserve for everything else the process and the host need
+        # (10%, at least 4 GiB: at 65,536 tokens a plan that left 1 GiB free was killed by the kernel's OOM killer on
+        # the H100 host at 5dedf68), plus the parameters now in host RAM, which the pager moves into it (or which go
+        # to the device) block by block
         available = host_memory_available()
         if available is not None:
-            host_budget = available - 2**30 + sum(p.numel() * p.element_size() for p in model.parameters()
-                                                 if p.device.type == "cpu")
+            host_budget = available - max(4 * 2**30, available // 10) + sum(
+                p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
 
     def make_plan(activation_bytes):
         return planner.plan(
