@@ -16,7 +16,7 @@ every option; without ``--config`` it runs configs/dpo-tiny-cpu.yaml (the demo) 
 from __future__ import annotations
 
 from tqdm.auto import tqdm
-from trl import DPOConfig as TRLDPOConfig
+from trl import DPOConfig as TRLDPOConfig, DPOTrainer
 
 from trainstream_hf.integrations.trl import TrainStreamDPOTrainer
 from trainstream_hf.train import align, data, evaluate, model as models, report
@@ -45,11 +45,15 @@ def main(argv: list[str] | None = None) -> dict:
     with align.workdir() as scratch:
         args = align.trl_arguments(run, TRLDPOConfig, scratch, beta=dc.beta, loss_type=[dc.loss_type],
                                    max_length=cfg.data.max_length)
-        trainer = TrainStreamDPOTrainer(
-            model=model, args=args, train_dataset=pairs.remove_columns("corruption"), processing_class=tok,
-            peft_config=lora, ref_chunk_tokens=dc.ref_chunk_tokens,
-            # one forward scores the chosen and the rejected sequences of a batch together
-            trainstream_config=align.engine_config(run, (2 * cfg.train.batch_size, longest)))
+        common = dict(model=model, args=args, train_dataset=pairs.remove_columns("corruption"), processing_class=tok,
+                      peft_config=lora)
+        if cfg.trainer == "trainstream":
+            trainer = TrainStreamDPOTrainer(
+                **common, ref_chunk_tokens=dc.ref_chunk_tokens,
+                # one forward scores the chosen and the rejected sequences of a batch together
+                trainstream_config=align.engine_config(run, (2 * cfg.train.batch_size, longest)))
+        else:  # the stock baseline: TRL's DPOTrainer, ref_model None (the adapters switched off)
+            trainer = DPOTrainer(**common, ref_model=None)
         progress = align.Progress.attach(trainer, "dpo", SHOWN)
         model = trainer.model  # the PeftModel
         counts = models.count_parameters(model)

@@ -18,7 +18,7 @@ demo) and says so.
 from __future__ import annotations
 
 from tqdm.auto import tqdm
-from trl import GRPOConfig as TRLGRPOConfig
+from trl import GRPOConfig as TRLGRPOConfig, GRPOTrainer
 
 from trainstream_hf.integrations.trl import TrainStreamGRPOTrainer
 from trainstream_hf.train import align, data, evaluate, model as models, report, rewards
@@ -47,11 +47,15 @@ def main(argv: list[str] | None = None) -> dict:
         args = align.trl_arguments(run, TRLGRPOConfig, scratch, num_generations=gc.num_generations,
                                    max_completion_length=gc.max_completion_length, temperature=gc.temperature,
                                    beta=gc.beta, loss_type=gc.loss_type, scale_rewards=gc.scale_rewards)
-        trainer = TrainStreamGRPOTrainer(
-            model=model, reward_funcs=rewards.reward_functions(gc.rewards), args=args, train_dataset=prompts,
-            processing_class=tok, peft_config=lora, ref_chunk_tokens=gc.ref_chunk_tokens,
-            generation_cache=gc.generation_cache,
-            trainstream_config=align.engine_config(run, (cfg.train.batch_size, longest + gc.max_completion_length)))
+        common = dict(model=model, reward_funcs=rewards.reward_functions(gc.rewards), args=args,
+                      train_dataset=prompts, processing_class=tok, peft_config=lora)
+        if cfg.trainer == "trainstream":
+            trainer = TrainStreamGRPOTrainer(
+                **common, ref_chunk_tokens=gc.ref_chunk_tokens, generation_cache=gc.generation_cache,
+                trainstream_config=align.engine_config(run, (cfg.train.batch_size,
+                                                             longest + gc.max_completion_length)))
+        else:  # the stock baseline: TRL's own trainer, reference and generation path
+            trainer = GRPOTrainer(**common)
         progress = align.Progress.attach(trainer, "grpo", SHOWN)
         model = trainer.model
         counts = models.count_parameters(model)

@@ -5,7 +5,7 @@
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 #                                                                   adamw_tests engine_full engine_full_accum
-#                                                                   engine_full_nods (no DeepSpeed row) cache longest
+#                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -59,6 +59,12 @@ for s in "$@"; do case $s in
   cache) run 300 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;
   longest) run 500 longest $B table --longest --shape llama3.1-8b --peers ts_nf4 --seq 65536 --granularity 32768 \
       --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;
+  align_8b) for r in grpo dpo; do for t in trainstream trl_bnb; do
+        extra=""; [[ $r == grpo && $t == trl_bnb ]] && extra="--grpo.generation_cache null"
+        run 300 "align_8b_${r}_$t" accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/$r.py \
+          --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
+        cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
+      done; done ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;

@@ -79,6 +79,20 @@ def test_engine_gives_the_plain_trainer_figures(dpo, tmp_path):
     assert (tmp_path / "plain" / "model" / "tokenizer.json").is_file()
 
 
+def test_stock_trl_baseline_gives_the_same_figures(dpo, tmp_path):
+    """trainer 'trl': stock TRL DPOTrainer with PEFT and ref_model None (the issue's baseline, here over the bf16 base):
+    TRL's logged loss and margins as through trainstream."""
+    args = CONFIG + SMALL + ["--train.steps", "2", "--train.log_every", "1", "--eval.enabled", "false"]
+    ts = dpo(args + ["--output_dir", str(tmp_path / "ts")])
+    stock = dpo(args + ["--output_dir", str(tmp_path / "stock"), "--trainer", "trl"])
+    assert stock["trainer"] == "trl" and stock["trainstream"] is None and ts["trainstream"]["steps_measured"] == 2
+    for key in ("loss", "rewards/margins"):
+        a, b = ts["train"]["curves"][key], stock["train"]["curves"][key]
+        assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b)), key
+    assert "median_generation_seconds" not in stock["timing"]  # DPO samples nothing
+
+
 @pytest.mark.parametrize("args, error, match", [
     (["--dpo.corruptions", "[swap, flip]"], ConfigError,
      r"dpo\.corruptions\[1\]: expected 'swap' \| 'substitute' \| 'drop' \| 'repeat', got 'flip'"),

@@ -82,6 +82,28 @@ def test_engine_samples_and_scores_as_the_plain_trainer(grpo, tmp_path):
     assert c["reward"] == a["reward"] and c["completions/mean_length"] == a["completions/mean_length"]
 
 
+def test_stock_trl_baseline_samples_as_trainstream_and_times_generation(grpo, tmp_path):
+    """trainer 'trl': stock TRL GRPOTrainer with PEFT (no engine), the issue's baseline: the same seeded samples and
+    rewards as through trainstream; each step's generate() time is reported beside the rest of the step."""
+    args = CONFIG + SMALL + ["--train.steps", "2", "--train.log_every", "1", "--eval.enabled", "false"]
+    ts = grpo(args + ["--output_dir", str(tmp_path / "ts")])
+    stock = grpo(args + ["--output_dir", str(tmp_path / "stock"), "--trainer", "trl"])
+    assert stock["trainer"] == "trl" and ts["trainer"] == "trainstream" and stock["trainstream"] is None
+    assert stock["model"]["quantize"] is None
+    a, b = ts["train"]["curves"], stock["train"]["curves"]
+    assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+    for run in (ts, stock):
+        t = run["timing"]
+        assert 0 < t["median_generation_seconds"] < t["median_step_seconds"]
+        assert t["median_train_seconds"] > 0
+    # TRL's own generation path only: trainstream's paged cache is refused, as is a bitsandbytes base on the CPU
+    with pytest.raises(ConfigError, match="grpo.generation_cache=0.5 samples through trainstream's TrainStreamCache"):
+        grpo(args + ["--output_dir", str(tmp_path / "x"), "--trainer", "trl", "--grpo.generation_cache", "0.5"])
+    with pytest.raises(ConfigError, match="trainer='trl_bnb': bitsandbytes' NF4 layers run on CUDA"):
+        grpo(args + ["--output_dir", str(tmp_path / "y"), "--trainer", "trl_bnb"])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_full_fine_tune_without_kl(grpo, tmp_path):
     """lora.r null trains every parameter, which TRL allows without a reference: grpo.beta 0."""
     summary = grpo(CONFIG + SMALL + ["--train.steps", "2", "--lora.r", "null", "--grpo.beta", "0",

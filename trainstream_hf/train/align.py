@@ -79,10 +79,33 @@ def setup(recipe: str, cls: type, argv: list[str] | None, description: str) -> R
 def build_policy(run: Run):
     """The base model, built on the device (random weights, or a local checkpoint; packed as built with
     ``trainstream.quantize``), and the ``peft.LoraConfig`` of the ``lora`` section (None with ``lora.r`` null).
-    The trainer adds the adapters, so that its reference is the base with them off."""
+    The trainer adds the adapters, so that its reference is the base with them off.
+
+    With ``trainer`` 'trl' the base stays in ``dtype`` (the trainstream section is not read); with 'trl_bnb' its
+    linear layers but the LM head become bitsandbytes NF4 layers (double quantization, bf16 compute:
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", ...)``'s settings), one at a time.
+
+    Raises:
+        ConfigError: 'trl_bnb' without CUDA or without bitsandbytes.
+    """
     cfg, ts = run.cfg, run.cfg.trainstream
+    trainer = getattr(cfg, "trainer", "trainstream")
+    if trainer == "trl_bnb":
+        import importlib.util
+
+        if run.device.type != "cuda":
+            raise ConfigError(f"trainer='trl_bnb': bitsandbytes' NF4 layers run on CUDA, but device is {run.device}; "
+                              "use trainer 'trl' on the CPU")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("trainer='trl_bnb' needs bitsandbytes (pip install bitsandbytes), the baseline it runs")
+    stock = trainer != "trainstream"
     model = models.build_model(cfg.model, cfg.init, cfg.dtype, vocab_size=len(run.tokenizer), seed=cfg.seed,
-                               device=run.device, home=run.device, quantize=ts.quantize, outliers=ts.outliers)
+                               device=run.device, home=run.device, quantize=None if stock else ts.quantize,
+                               outliers=0.0 if stock else ts.outliers)
+    if trainer == "trl_bnb":
+        from trainstream_hf.train.baseline import quantize_linears_nf4_
+
+        quantize_linears_nf4_(model, run.device)
     if cfg.lora.r is None:
         return model, None
     lora = cfg.lora
@@ -94,7 +117,7 @@ def engine_config(run: Run, batch_shape: tuple[int, int]):
     """The ``trainstream`` section as the trainer's ``trainstream_config`` (None with ``wrap`` false): the base was
     quantized as it was built (wrap finds it packed in that format and leaves it), and ``batch_shape`` (sequences x tokens of one forward) sizes the plan unless the
     section gives one."""
-    if not run.cfg.wrap:
+    if not run.cfg.wrap or getattr(run.cfg, "trainer", "trainstream") != "trainstream":
         return None
     ts = run.cfg.trainstream
     return replace(ts, batch_shape=ts.batch_shape or tuple(batch_shape), device=ts.device or str(run.device))
@@ -105,18 +128,21 @@ def trl_arguments(run: Run, config_cls: type, output_dir: str, **recipe_args):
 
     Nothing is saved through the Trainer (``save_strategy="no"``, no reporting integration); ``output_dir`` is a
     scratch directory (:func:`workdir`). A log every ``train.log_every`` steps, and one after the first step.
+    Gradient checkpointing: off through trainstream (the engine's plan decides what to recompute), TRL's own default
+    for the stock baselines (``trainer`` 'trl' / 'trl_bnb').
     """
     cfg, tc = run.cfg, run.cfg.train
+    if getattr(cfg, "trainer", "trainstream") == "trainstream":
+        # TRL turns gradient checkpointing on by default; what to recompute is the engine's plan's call
+        # (trainstream.recompute), and the wrap=false baseline recomputes nothing either.
+        recipe_args.setdefault("gradient_checkpointing", False)
     return config_cls(
         output_dir=output_dir, max_steps=tc.steps, per_device_train_batch_size=tc.batch_size,
         gradient_accumulation_steps=1, learning_rate=tc.lr, weight_decay=tc.weight_decay, adam_beta1=tc.betas[0],
         adam_beta2=tc.betas[1], warmup_steps=tc.warmup_steps, lr_scheduler_type=tc.scheduler,
         max_grad_norm=tc.max_grad_norm or 0.0, logging_steps=tc.log_every, logging_first_step=True, report_to=[],
         save_strategy="no", seed=cfg.seed, use_cpu=run.device.type == "cpu", bf16=run.mixed == "bf16",
-        dataloader_num_workers=0,
-        # TRL turns gradient checkpointing on by default; what to recompute is the engine's plan's call
-        # (trainstream.recompute), and the wrap=false baseline recomputes nothing either.
-        gradient_checkpointing=False, **recipe_args)
+        dataloader_num_workers=0, **recipe_args)
 
 
 @contextlib.contextmanager
@@ -141,6 +167,9 @@ class Progress(TrainerCallback):
     def __init__(self, desc: str, shown: dict[str, str]):
         self.desc, self.shown = desc, shown
         self.seconds: list[float] = []
+        self.generation_seconds: list[float] = []  # per optimizer step: in the policy's generate() (GRPO sampling)
+        self._gen = 0.0
+        self._timed_model = None
         self.moved: list[dict] = []  # per optimizer step: bytes each way and engine steps closed
         self.plan: dict | None = None
         self.bar = None
@@ -154,7 +183,28 @@ class Progress(TrainerCallback):
         trainer.remove_callback(ProgressCallback)
         progress = cls(desc, shown)
         trainer.add_callback(progress)
+        progress._time_generation(trainer.model)
         return progress
+
+    def _time_generation(self, model) -> None:
+        """Adds the wall time of every ``model.generate`` call (the object TRL samples from, synchronised on CUDA at
+        both ends) to the current step's generation seconds; :meth:`on_train_end` takes the timer off."""
+        inner = model.generate
+
+        def generate(*args, **kwargs):
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                self._gen += time.perf_counter() - t0
+
+        model.generate = generate
+        self._timed_model = model
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from tqdm.auto import tqdm
@@ -167,9 +217,11 @@ class Progress(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._t0 = time.perf_counter()
+        self._gen = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds.append(time.perf_counter() - self._t0)
+        self.generation_seconds.append(self._gen)
         # The engine's step is the optimizer step (reference pass, generation, forward, backward): it closed
         # when step() returned, just before this event.
         s = self._engine.stats() if self._engine is not None else None
@@ -185,6 +237,9 @@ class Progress(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
+        if self._timed_model is not None:
+            self._timed_model.__dict__.pop("generate", None)
+            self._timed_model = None
 
     def engine(self) -> dict | None:
         """The summary's ``trainstream`` section (None when the engine was not installed): medians per optimizer
@@ -236,12 +291,20 @@ def summary(run: Run, recipe: str, model, counts: dict, progress: Progress, log_
     tokens = [h["num_tokens"] for h in log_history if "num_tokens" in h]
     return {
         "recipe": recipe, **report.run_info(run.device, run.command), "config": to_dict(cfg),
-        "model": {"type": model.config.model_type, **counts, "dtype": cfg.dtype, "quantize": cfg.trainstream.quantize,
+        "model": {"type": model.config.model_type, **counts, "dtype": cfg.dtype,
+                  "quantize": {"trl": None, "trl_bnb": "bitsandbytes nf4"}.get(getattr(cfg, "trainer", None),
+                                                                             cfg.trainstream.quantize),
                   "lora_r": cfg.lora.r},
         "mixed_precision": run.mixed,
         "steps": len(progress.seconds),
         **results,
+        "trainer": getattr(cfg, "trainer", "trainstream"),
         "timing": {"train_seconds": train_seconds, "median_step_seconds": statistics.median(progress.seconds),
+                   # GRPO: each step's sampling (generate()) and the rest (scoring, reference, forward, backward, step)
+                   **({"median_generation_seconds": statistics.median(progress.generation_seconds),
+                       "median_train_seconds": statistics.median(
+                           s - g for s, g in zip(progress.seconds, progress.generation_seconds))}
+                      if any(progress.generation_seconds) else {}),
                    # TRL counts the tokens of the sequences it trained on (num_tokens, logged cumulatively)
                    "tokens_per_second": tokens[-1] / train_seconds if tokens else None,
                    "wall_seconds": time.perf_counter() - run.started},

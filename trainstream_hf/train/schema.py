@@ -270,6 +270,12 @@ class DPOConfig(RecipeConfig):
     eval: PairEvalArgs = _section(PairEvalArgs, "Held-out preference pairs.")
     lora: LoraArgs = _section(_lora8, "LoRA adapters; required (the reference is the model with them off).")
     dpo: DPOArgs = _section(DPOArgs, "The DPO objective and how the pairs are made.")
+    trainer: Literal["trainstream", "trl", "trl_bnb"] = _opt(
+        "trainstream", "'trainstream': TRL's trainer through trainstream_hf.integrations.trl (the engine, one model for "
+                       "policy and reference); 'trl': stock TRL with PEFT over the bf16 base (ref_model None, "
+                       "TRL's defaults, gradient checkpointing included), the baseline; 'trl_bnb': the same over a "
+                       "bitsandbytes NF4 base (QLoRA; CUDA and bitsandbytes needed). The baselines ignore wrap and "
+                       "the trainstream section.")
 
     def __post_init__(self) -> None:
         if self.lora.r is None:
@@ -286,8 +292,18 @@ class GRPOConfig(RecipeConfig):
     output_dir: str = _opt("build/grpo", "Where summary.json (and the adapters, with save_model) are written.")
     lora: LoraArgs = _section(_lora8, "LoRA adapters (r: null trains every parameter; needs grpo.beta 0).")
     grpo: GRPOArgs = _section(GRPOArgs, "Sampling, rewards and the GRPO objective.")
+    trainer: Literal["trainstream", "trl", "trl_bnb"] = _opt(
+        "trainstream", "'trainstream': TRL's trainer through trainstream_hf.integrations.trl (the engine, one model for "
+                       "policy and reference, grpo.generation_cache); 'trl': stock TRL with PEFT over the bf16 base (ref_model None, "
+                       "TRL's defaults, gradient checkpointing included), the baseline; 'trl_bnb': the same over a "
+                       "bitsandbytes NF4 base (QLoRA; CUDA and bitsandbytes needed). The baselines ignore wrap and "
+                       "the trainstream section.")
 
     def __post_init__(self) -> None:
+        if self.trainer != "trainstream" and self.grpo.generation_cache is not None:
+            raise ValueError(f"grpo.generation_cache={self.grpo.generation_cache} samples through trainstream's "
+                             f"TrainStreamCache, which trainer={self.trainer!r} (stock TRL, its own cache) does not "
+                             "use: set grpo.generation_cache null, or trainer 'trainstream'")
         if self.lora.r is None and self.grpo.beta > 0:
             raise ValueError(f"grpo.beta={self.grpo.beta} needs a reference, which is the model with its LoRA adapters "
                              "switched off: set lora.r (e.g. 8), or grpo.beta 0 for a full fine-tune without a KL term")
