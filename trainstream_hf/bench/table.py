@@ -50,6 +50,8 @@ ROWS: dict[str, tuple[str, str, str, dict]] = {
                                 "trainstream_quant", dict(quantize="nf4", offload_activations=True, compile_blocks=True,
                                                           name_suffix=", activations offloaded, compiled blocks")),
     "ts_fp8": ("trainstream fp8", "engine", "trainstream_quant", dict(quantize="fp8")),
+    "ts_fp8_compiled": ("trainstream fp8, compiled blocks", "engine", "trainstream_quant",
+                        dict(quantize="fp8", compile_blocks=True, name_suffix=", compiled blocks")),
     "ts_auto": ("trainstream bf16 base, auto plan", "engine", "trainstream_lora", {}),
     "bnb": ("bitsandbytes QLoRA nf4 + PEFT", "peers", "bnb_qlora", dict(grad_ckpt=False)),
     "bnb_ckpt": ("bitsandbytes QLoRA nf4 + PEFT, checkpointing", "peers", "bnb_qlora", dict(grad_ckpt=True)),
