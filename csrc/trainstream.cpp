@@ -27,6 +27,12 @@ TORCH_LIBRARY(trainstream, m) {
       "adamw_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
       "Tensor(d!)? param_bf16, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "int step, bool maximize, int num_threads=0) -> ()");
+  // The same step with bfloat16 moments, stored by stochastic rounding whose random bits depend on (seed, step,
+  // element index) only (csrc/cpu/adamw.cpp; CPU kernel only): 4 bytes per parameter instead of 8.
+  m.def(
+      "adamw_step_sr_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
+      "Tensor(d!)? param_bf16, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "int step, bool maximize, int seed, int num_threads=0) -> ()");
 
   // Frozen-weight formats (trainstream_hf/quant/formats.py). weight: (out_features, in_features) float32 /
   // bfloat16 / float16. NF4: 4-bit NormalFloat codes, absmax per 64 weights double-quantised to E4M3 per 256.

@@ -136,3 +136,66 @@ def test_adamw_num_threads_does_not_change_the_bits():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     with pytest.raises(RuntimeError, match="num_threads must be >= 0"):
         ops.adamw_step_(*results[0][:3], grad, lr=1e-3, step=4, num_threads=-1)
+
+
+# -- adamw_step_sr_: bfloat16 moments stored by stochastic rounding ----------------------------------------------
+def _sr_state(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g)
+    m = (torch.randn(n, generator=g) * 0.01).bfloat16()
+    v = (torch.rand(n, generator=g) * 1e-4).bfloat16()
+    return p, m, v, (torch.randn(n, generator=g) * 3).bfloat16()
+
+
+@pytest.mark.parametrize("grad_dtype,maximize,wd", [(torch.bfloat16, False, 0.1), (torch.float32, True, 0.0)])
+def test_adamw_sr_matches_reference(grad_dtype, maximize, wd):
+    """The moments bit for bit (the same random bits, the same float32 update); the weights to rounding."""
+    p, m, v, g = _sr_state(100_003)
+    g = g.to(grad_dtype)
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    out, rout = torch.empty_like(m), torch.empty_like(m)
+    for step in range(1, 6):
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=step, maximize=maximize, seed=3)
+        ops.adamw_step_sr_(p, m, v, g, param_bf16=out, **kw)
+        ops.adamw_step_sr_reference(rp, rm, rv, g, param_bf16=rout, **kw)
+    assert torch.equal(m, rm) and torch.equal(v, rv)
+    assert (p - rp).abs().max() < 1e-6
+
+
+def test_adamw_sr_bits_do_not_depend_on_threads_and_follow_the_seed():
+    results = []
+    for threads, seed in ((1, 5), (4, 5), (4, 6)):
+        p, m, v, g = _sr_state(300_001)
+        ops.adamw_step_sr_(p, m, v, g, lr=1e-3, step=2, seed=seed, num_threads=threads)
+        results.append((m, v))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[1][1], results[2][1])
+
+
+def test_adamw_sr_moments_move_where_round_to_nearest_freezes():
+    """beta2 = 0.999 with g^2 = 2 v: each step adds 0.1% to v, below half a bf16 ulp (0.39%): rounded to nearest, v
+    never moves; stochastically rounded, its mean follows the float32 recurrence 2 - 0.999^t."""
+    n, steps = 4096, 1000
+    p, g = torch.zeros(n), torch.full((n,), 2.0 ** 0.5)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)
+    m32, v32 = torch.zeros(n), torch.ones(n)
+    for step in range(1, steps + 1):
+        ops.adamw_step_sr_(p, m, v, g, lr=0.0, step=step, seed=1, weight_decay=0.0)
+        ops.adamw_step_(p.clone(), m32, v32, g, lr=0.0, step=step, weight_decay=0.0)
+    expected = 2 - 0.999 ** steps
+    assert abs(v.float().mean().item() - expected) < 0.01 * expected
+    assert abs(v32.mean().item() - expected) < 1e-4
+    frozen = torch.ones(n, dtype=torch.bfloat16)
+    for _ in range(10):
+        frozen = (frozen.float() * 0.999 + 0.001 * 2.0).bfloat16()
+    assert torch.equal(frozen, torch.ones(n, dtype=torch.bfloat16))  # round-to-nearest: stuck at 1.0
+
+
+def test_adamw_sr_bad_input():
+    p, m, v, g = _sr_state(64)
+    with pytest.raises(RuntimeError, match="exp_avg and exp_avg_sq must be bfloat16"):
+        ops.adamw_step_sr_(p, m.float(), v.float(), g, lr=1e-3, step=1)
+    with pytest.raises(RuntimeError, match="elements, param has 64"):
+        ops.adamw_step_sr_(p, m[:32], v[:32], g, lr=1e-3, step=1)
+    with pytest.raises(RuntimeError, match="step counts updates from 1"):
+        ops.adamw_step_sr_(p, m, v, g, lr=1e-3, step=0)

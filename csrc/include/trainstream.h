@@ -26,6 +26,11 @@ void adamw_step_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_
                     const at::Tensor& grad, const std::optional<at::Tensor>& param_bf16, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
                     bool maximize, int64_t num_threads);
+// The same with bfloat16 exp_avg / exp_avg_sq, stored by stochastic rounding (seeded by seed, step and the element's
+// index: the bits do not depend on the thread count).
+void adamw_step_sr_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& grad,
+                       const std::optional<at::Tensor>& param_bf16, double lr, double beta1, double beta2, double eps,
+                       double weight_decay, int64_t step, bool maximize, int64_t seed, int64_t num_threads);
 
 // csrc/cpu/quant.cpp ------------------------------------------------------------------------
 // NF4 and NVFP4 weight formats (layouts in trainstream_hf/quant/formats.py; maths in the *_reference functions

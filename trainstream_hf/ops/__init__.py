@@ -30,7 +30,7 @@ from trainstream_hf.ops._common import (
 from trainstream_hf.ops._common import (  # noqa: F401
     _NF4_MIDPOINTS, _check_finite, _check_out_dtype, _on_device, _safe_div,
 )
-from trainstream_hf.ops.adamw import adamw_step_
+from trainstream_hf.ops.adamw import adamw_step_, adamw_step_sr_
 from trainstream_hf.ops.formats import (
     dequantize_fp8, dequantize_int8, dequantize_nf4, dequantize_nvfp4, quantize_nf4, quantize_nvfp4,
 )
@@ -41,8 +41,8 @@ from trainstream_hf.ops.fp8 import (
 from trainstream_hf.ops.layers import dequant_linear, lora_add, lora_dequant_linear, rms_norm, split_bf16
 from trainstream_hf.ops import reference as _references
 from trainstream_hf.ops.reference import (
-    adamw_step_reference, dequant_linear_reference, dequantize_fp8_reference, dequantize_int8_reference,
-    dequantize_nf4_reference, dequantize_nvfp4_reference, fp8_gemm_rowwise_reference, fp8_linear_dgrad_reference,
+    adamw_step_reference, adamw_step_sr_reference, dequant_linear_reference, dequantize_fp8_reference,
+    dequantize_int8_reference, dequantize_nf4_reference, dequantize_nvfp4_reference, fp8_gemm_rowwise_reference, fp8_linear_dgrad_reference,
     fp8_linear_reference, lora_add_reference, lora_dequant_linear_reference, quantize_fp8_reference,
     quantize_int8_reference, quantize_nf4_reference, quantize_nvfp4_reference, quantize_rows_e4m3_reference,
     rms_norm_bwd_reference, rms_norm_fwd_reference, rms_norm_reference, split_bf16_reference,
@@ -55,7 +55,7 @@ __all__ = [
     "built_with_cuda", "has_kernel", "div_scalar", "check_weight",
     "WEIGHT_DTYPES", "E4M3_MAX", "E2M1_MAX", "NF4_BLOCK", "NF4_GROUP", "NVFP4_BLOCK", "NF4_CODE", "E2M1_VALUES",
     # wrappers
-    "adamw_step_",
+    "adamw_step_", "adamw_step_sr_",
     "quantize_nf4", "dequantize_nf4", "quantize_nvfp4", "dequantize_nvfp4", "dequantize_int8", "dequantize_fp8",
     "quantize_rows_e4m3", "transpose_bytes", "fp8_linear", "fp8_linear_dgrad", "fp8_gemm_rowwise",
     "fp8_activation_cache", "fp8_forget_activation", "FP8_GEMMS", "fp8_gemm", "fp8_gemm_plans", "set_fp8_gemm",

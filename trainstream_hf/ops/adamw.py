@@ -35,3 +35,18 @@ def adamw_step_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     """
     torch.ops.trainstream.adamw_step_.default(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1,
                                               beta2, eps, weight_decay, step, maximize, num_threads)
+
+
+def adamw_step_sr_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   grad: torch.Tensor, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
+                   eps: float = 1e-8, weight_decay: float = 0.01, step: int, maximize: bool = False,
+                   seed: int = 0, param_bf16: torch.Tensor | None = None, num_threads: int = 0) -> None:
+    """:func:`adamw_step_` with bfloat16 moments (CPU kernel): ``exp_avg`` and ``exp_avg_sq`` are read as bf16,
+    updated in float32 exactly as :func:`adamw_step_` updates them, and stored back by stochastic rounding (the
+    float's bits plus 16 random bits, truncated: unbiased, so a moment whose change per step is below half a bf16 ulp
+    still moves on average). The random bits are a hash of (``seed``, ``step``, element index): the result does not
+    depend on the thread count. 4 bytes of moments per parameter instead of 8; an approximation of AdamW, opt-in
+    (``TrainStreamConfig.optimizer_moments``).
+    """
+    torch.ops.trainstream.adamw_step_sr_.default(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1,
+                                                 beta2, eps, weight_decay, step, maximize, seed, num_threads)

@@ -38,6 +38,20 @@ def _adamw_step_fake(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1, be
     return None
 
 
+@torch.library.register_fake("trainstream::adamw_step_sr_")
+def _adamw_step_sr_fake(param, exp_avg, exp_avg_sq, grad, param_bf16, lr, beta1, beta2, eps, weight_decay,
+                        step, maximize, seed, num_threads=0):
+    torch._check(param.dtype == torch.float32, lambda: f"adamw_step_sr_: param must be float32, got {param.dtype}")
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        torch._check(t.dtype == torch.bfloat16, lambda: f"adamw_step_sr_: {name} must be bfloat16, got {t.dtype}")
+        torch._check(t.numel() == param.numel(), lambda: f"adamw_step_sr_: {name} numel differs from param's")
+    torch._check(grad.dtype in (torch.float32, torch.bfloat16),
+                 lambda: f"adamw_step_sr_: grad must be float32 or bfloat16, got {grad.dtype}")
+    torch._check(grad.numel() == param.numel(), lambda: "adamw_step_sr_: grad numel differs from param's")
+    torch._check(step >= 1, lambda: f"adamw_step_sr_: step must be >= 1, got {step}")
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Frozen-weight formats: NF4, NVFP4, int8, FP8
 # --------------------------------------------------------------------------------------------

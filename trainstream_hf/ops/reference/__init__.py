@@ -4,7 +4,7 @@ build has no kernel for a device, the callers run the reference instead, see :fu
 
 By family, as the wrappers are split:
 
-* :mod:`.adamw`: ``adamw_step_reference``.
+* :mod:`.adamw`: ``adamw_step_reference``, ``adamw_step_sr_reference``.
 * :mod:`.formats`: NF4, NVFP4, int8 and FP8 quantize / dequantize (the native kernels' bits).
 * :mod:`.fp8`: ``quantize_rows_e4m3_reference`` and ``transpose_bytes_reference`` (the kernels' bits), the row-wise
   scaled GEMM, the FP8 layer (straight-through backward) and its input gradient (within one rounding).
@@ -14,7 +14,7 @@ By family, as the wrappers are split:
 A package, not one module, only to keep each file short; import the names from here (or from
 :mod:`trainstream_hf.ops`).
 """
-from trainstream_hf.ops.reference.adamw import adamw_step_reference
+from trainstream_hf.ops.reference.adamw import adamw_step_reference, adamw_step_sr_reference
 from trainstream_hf.ops.reference.formats import (
     dequantize_fp8_reference, dequantize_int8_reference, dequantize_nf4_reference, dequantize_nvfp4_reference,
     quantize_fp8_reference, quantize_int8_reference, quantize_nf4_reference, quantize_nvfp4_reference,
@@ -30,6 +30,7 @@ from trainstream_hf.ops.reference.layers import (
 
 __all__ = [
     "adamw_step_reference",
+    "adamw_step_sr_reference",
     "quantize_nf4_reference", "dequantize_nf4_reference", "quantize_nvfp4_reference", "dequantize_nvfp4_reference",
     "quantize_int8_reference", "dequantize_int8_reference", "quantize_fp8_reference", "dequantize_fp8_reference",
     "quantize_rows_e4m3_reference", "transpose_bytes_reference", "fp8_gemm_rowwise_reference",
