@@ -37,6 +37,7 @@ def test_config_defaults_and_dict():
     ({"optimizer_resident": "yes"}, "optimizer_resident: 'auto', True or False"),
     ({"optimizer_streamed": 1.5}, r"optimizer_streamed: 'auto', True, False or a fraction in \[0, 1\]"),
     ({"optimizer_streamed": "half"}, "optimizer_streamed"),
+    ({"optimizer_moments": "fp8"}, "optimizer_moments: 'float32' or 'bfloat16'"),
 ])
 def test_config_rejects(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

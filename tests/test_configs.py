@@ -251,7 +251,7 @@ def test_every_field_is_overridable_from_the_command_line(recipe):
                "trainstream.data_parallel": False, "trainstream.expandable_segments": False,
                "trainstream.elide_casts": False, "trainstream.fused_loss": False, "trainstream.tiled_mlp": True,
                "trainstream.optimizer_resident": False, "trainstream.optimizer_streamed": 0.25, "trainer": "trl",
-               "trainstream.compile_blocks": "auto",
+               "trainstream.compile_blocks": "auto", "trainstream.optimizer_moments": "bfloat16",
                "vram_cap": "20GiB",
                "mixed_precision": "bf16", "lora.r": 4, "lora.dropout": 0.05,
                "lora.target_modules": ["q_proj", "v_proj"], "dpo.loss_type": "hinge", "dpo.corruptions": ["drop"],

@@ -539,3 +539,16 @@ def test_host_budget_checkpoints_offloaded_blocks_keeping_their_input_in_host_ra
     assert [b.activations for b in pl.blocks][:3] == ["recompute_host"] * 2 + ["host"]
     assert pl.host_bytes() <= budget and pl.fits()
     assert _plan(model, host_budget=full.host_bytes(), **kw).host_bytes() == full.host_bytes()  # enough: unchanged
+
+
+def test_bf16_moments_count_half_the_moment_bytes_and_keep_the_cpu_share():
+    model = _llama()
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, grads="host", optimizer_resident=True,
+              optimizer_streamed=True)
+    exact = _plan(model, **kw)
+    approx = _plan(model, optimizer_moments="bfloat16", **kw)
+    assert exact.resident_numel > 0  # a huge budget: the device share takes everything it can
+    assert approx.resident_numel == approx.streamed_numel == 0  # the device kernel takes float32 moments
+    assert approx.host_bytes() == _plan(model, optimizer_resident=False, optimizer_streamed=False,
+                                        **{k: v for k, v in kw.items() if not k.startswith("optimizer_")}).host_bytes() \
+        - 4 * approx.offload_numel

@@ -64,6 +64,20 @@ def test_engine_gives_the_plain_loop_losses(sft, tmp_path):
     assert (tmp_path / "plain" / "model" / "tokenizer.json").is_file()
 
 
+def test_bf16_moments_follow_the_exact_loss_curve(sft, tmp_path):
+    """trainstream.optimizer_moments bfloat16 (opt-in approximation) against exact AdamW on the demo's engine options:
+    the loss curves stay together and both learn (the full demo's figures are in benchmarks/NOTES.md)."""
+    args = CONFIG + SMALL + ["--train.steps", "40", "--eval.examples", "24"]
+    exact = sft(args + ["--output_dir", str(tmp_path / "exact")])
+    approx = sft(args + ["--output_dir", str(tmp_path / "bf16"), "--trainstream.optimizer_moments", "bfloat16"])
+    assert approx["config"]["trainstream"]["optimizer_moments"] == "bfloat16"
+    a, b = exact["train_loss"]["curve"], approx["train_loss"]["curve"]
+    assert [s for s, _ in a] == [s for s, _ in b] and a[-1][1] < a[0][1] - 0.5
+    assert a[0][1] == pytest.approx(b[0][1], abs=1e-4)  # before the moments matter
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 0.15
+    assert approx["loss"]["after"] == pytest.approx(exact["loss"]["after"], rel=0.1)
+
+
 def test_trainer_loop_trains_through_the_engine_and_writes_the_same_summary(sft, tmp_path):
     """loop: trainer runs the steps in transformers' Trainer (TrainStreamTrainer), the engine installed; the summary
     has the plain loop's fields, per-step losses and times, and the engine's figures of every step."""

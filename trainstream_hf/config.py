@@ -125,6 +125,10 @@ class TrainStreamConfig:
                 "the CPU, measured at wrap time, finish together), True (that split on any device), a fraction of the "
                 "elements in [0, 1], or False. Streamed parameters keep their gradients on the device until the step, "
                 "so only as many as fit."})
+    optimizer_moments: str = field(default="float32", metadata={
+        "help": "The offloaded AdamW's moments on the host: 'float32' (exact) or 'bfloat16' (opt-in approximation: "
+                "stored by stochastic rounding, 4 bytes per parameter instead of 8, e.g. an 8B full fine-tune's state "
+                "in a 128 GiB host; the optimizer's device share is then off)."})
     data_parallel: str | bool = field(default="auto", metadata={
         "help": "Replicas trained with DistributedDataParallel, one per process (wrap first, then DDP): 'auto' (when "
                 "torch.distributed is initialized with more than one process), True or False. Then gradients stay on "
@@ -214,6 +218,8 @@ class TrainStreamConfig:
         parse_bytes(self.min_activation_bytes, name="min_activation_bytes")
         if not isinstance(self.min_offload_numel, int) or self.min_offload_numel < 0:
             raise ValueError(f"min_offload_numel: an int >= 0, got {self.min_offload_numel!r}")
+        if self.optimizer_moments not in ("float32", "bfloat16"):
+            raise ValueError(f"optimizer_moments: 'float32' or 'bfloat16', got {self.optimizer_moments!r}")
         if self.optimizer_resident not in ("auto", True, False):
             raise ValueError(f"optimizer_resident: 'auto', True or False, got {self.optimizer_resident!r}")
         streamed = self.optimizer_streamed

@@ -131,6 +131,7 @@ class Plan:
     streamed_optimizer: list[str] = field(default_factory=list)
     resident_numel: int = 0
     streamed_numel: int = 0
+    moment_bytes: int = 4  # per moment element on the host: 4 (float32) or 2 (bfloat16, optimizer_moments)
     min_offload_numel: int = MIN_OFFLOAD_NUMEL
     forward_seconds: float | None = None  # one block's measured forward time
 
@@ -223,9 +224,10 @@ class Plan:
         are on the host at the end of the forward pass) and, per offloaded parameter, the fp32 master,
         both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
         cpu = self.offload_numel - self.resident_numel - self.streamed_numel  # streamed: state only, 12 bytes
+        per_cpu = 4 + 2 * self.moment_bytes + 4 + 2  # master, moments, the gradient buffer and the weight copy
         return (self.paged_bytes()
                 + sum(b.host_activation_bytes() for b in self.blocks)
-                + 18 * cpu + 12 * self.streamed_numel + (2 * cpu if self.grads == "host" else 0))
+                + per_cpu * cpu + 12 * self.streamed_numel + (2 * cpu if self.grads == "host" else 0))
 
     @property
     def recomputed_blocks(self) -> list[int]:
@@ -625,7 +627,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          forward_seconds: float | None = None, recompute="auto", head_bytes: int | None = None,
          activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0,
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
-         device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None) -> Plan:
+         device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None,
+         optimizer_moments: str = "float32") -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -663,6 +666,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             device until the step: as many as fit.
         cpu_adam_pps: the CPU AdamW's elements per second, measured (``measure_cpu_adam``); None: a default.
         device_chunk_numel: elements per chunk of the streamed ring (3 chunks of 12 bytes an element).
+        optimizer_moments: ``"float32"`` or ``"bfloat16"`` (the CPU share's moments, half the bytes; no device share
+            then: its kernel takes float32).
         host_budget: host RAM the plan may fill (None: unlimited). When offloaded activations would pass it (long
             sequences), blocks that can be recomputed keep only their input in host RAM (``recompute_host``), first
             block first, as long as the device still fits.
@@ -716,7 +721,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         return sum(p.numel() * p.element_size() for p in params)
 
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
-              min_offload_numel=min_offload_numel, forward_seconds=forward_seconds)
+              min_offload_numel=min_offload_numel, forward_seconds=forward_seconds,
+              moment_bytes=2 if optimizer_moments == "bfloat16" else 4)
 
     def settle(offload_opt: bool, grads_host: bool, only: list[tuple[str, nn.Parameter]] | None = None) -> None:
         """Optimizer state of every big trainable parameter (``only``: of these) on the host, or of none."""
@@ -828,7 +834,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             f"(with a {pl.margin / GiB:.2f} GiB margin)\n{pl}")
     if cpu_adam_pps:
         pl.cpu_adam_pps = float(cpu_adam_pps)
-    if pl.offload_optimizer:
+    if pl.offload_optimizer and optimizer_moments == "float32":
         cuda = device.type == "cuda"
         offloaded = set(pl.offload_optimizer)
         # not the paged ones: their weights live in host copies that the CPU share writes

@@ -513,7 +513,7 @@ def _make_plan(s: _Setup) -> planner.Plan:
 
     cpu_adam_pps = None
     if device.type == "cuda" and s.has_optimizer and config.offload_optimizer is not False and \
-            config.optimizer_streamed not in (False, 0):
+            config.optimizer_streamed not in (False, 0) and config.optimizer_moments == "float32":
         # the CPU AdamW's rate on this host, with the threads the overlapped step leaves it, for the streamed split
         cpu_adam_pps = planner.measure_cpu_adam(max(1, torch.get_num_threads() - 1))
 
@@ -540,7 +540,7 @@ def _make_plan(s: _Setup) -> planner.Plan:
             input_bytes=None if m is None else m.input_bytes,
             forward_seconds=None if m is None else m.forward_seconds, head_bytes=head,
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
-            cpu_adam_pps=cpu_adam_pps, host_budget=host_budget)
+            cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments)
 
     pl = make_plan(None if m is None else m.activation_bytes)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \
@@ -685,7 +685,7 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         resident, streamed = set(pl.resident_optimizer), set(pl.streamed_optimizer)
         new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=pl.grads,
                                  param_sink=sinks, overlap_step=bool(overlap),
-                                 optimizer_in_backward=config.optimizer_in_backward,
+                                 optimizer_in_backward=config.optimizer_in_backward, moments=config.optimizer_moments,
                                  resident=[p for p in offload if names.get(id(p)) in resident and p not in sinks],
                                  streamed=[p for p in offload if names.get(id(p)) in streamed and p not in sinks])
         undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed

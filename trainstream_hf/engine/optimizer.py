@@ -49,6 +49,7 @@ from trainstream_hf.engine.streams import Transfer, TransferStreams
 __all__ = ["OffloadedAdamW"]
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+_MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -56,10 +57,10 @@ class _Slot:
     """Host state of one offloaded parameter (all buffers flat, contiguous, in the arena)."""
 
     __slots__ = ("param", "shape", "group", "master", "exp_avg", "exp_avg_sq", "step", "out", "sink", "last_h2d",
-                 "ready", "where")
+                 "ready", "where", "seed")
 
     def __init__(self, param: nn.Parameter, group: int, arena: HostArena, sink: torch.Tensor | None,
-                 where: str = "host"):
+                 where: str = "host", moments: torch.dtype = torch.float32, seed: int = 0):
         # a paged parameter's data may be an empty placeholder: its sink has the true shape
         self.shape = sink.shape if sink is not None else param.shape
         n = self.shape.numel()
@@ -71,8 +72,9 @@ class _Slot:
                 torch.empty(n, dtype=torch.float32, device=param.device) for _ in range(3))
         else:
             self.master = arena.empty([n], torch.float32)
-            self.exp_avg = arena.empty([n], torch.float32)
-            self.exp_avg_sq = arena.empty([n], torch.float32)
+            self.exp_avg = arena.empty([n], moments)  # bfloat16: stochastically rounded (ops.adamw_step_sr_)
+            self.exp_avg_sq = arena.empty([n], moments)
+        self.seed = seed  # of the stochastic rounding: the slot's place in the user's parameter order
         self.step = torch.tensor(0.0, dtype=torch.float32)  # as torch's non-fused, non-capturable Adam keeps it
         self.sink = sink
         # the H2D source in the device dtype; an fp32 parameter is copied straight from the master. A device-stepped
@@ -161,6 +163,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             parameters keep their gradients on the device (``p.grad``, in either ``grads`` mode), need no sink, and
             get the same bits as if the CPU had stepped them (the same op's CUDA kernel).
         device_chunk_numel: elements per streamed chunk (the device ring holds 3 chunks of 12 bytes an element).
+        moments: ``"float32"`` (exact AdamW) or ``"bfloat16"``: the CPU share's moments stored in bf16 by stochastic
+            rounding (:func:`trainstream_hf.ops.adamw_step_sr_`), 4 bytes per parameter instead of 8 in host RAM; an
+            approximation, opt-in. Not with resident or streamed parameters (the device kernel takes float32).
 
     Raises:
         TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
@@ -177,7 +182,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4,
                  overlap_step: bool = False, optimizer_in_backward: bool = False,
                  resident: Iterable[nn.Parameter] = (), streamed: Iterable[nn.Parameter] = (),
-                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL):
+                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, moments: str = "float32"):
         if type(optimizer) not in _SUPPORTED:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -209,18 +214,28 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._check_offload(offload, group_of, sinks, streams)
         offloaded = set(offload)
         where = self._check_device_share(resident, streamed, offloaded, sinks)
+        if moments not in _MOMENTS:
+            raise ValueError(f"moments: 'float32' (exact AdamW) or 'bfloat16' (stochastically rounded, half the host "
+                             f"bytes), got {moments!r}")
+        if moments != "float32" and where:
+            raise ValueError("moments='bfloat16' is for parameters stepped on the CPU; resident and streamed "
+                             "parameters keep float32 moments (the device kernel): pass neither, or float32 moments")
+        moment_dtype = _MOMENTS[moments]
         order = [p for p in params if p in offloaded]  # step order = the user's parameter order
 
         numel = {p: sinks[p].numel() if p in sinks else p.numel() for p in order}
         on_host = {p: n for p, n in numel.items() if where.get(p) != "resident"}
         on_cpu = {p: n for p, n in numel.items() if p not in where}  # stepped by the CPU kernel
         if arena.growable:  # pin everything now, in slabs, rather than block by block during the first step
-            arena.reserve_for([4 * n for n in on_host.values() for _ in range(3)]
+            mb = moment_dtype.itemsize
+            arena.reserve_for([k * n for n in on_host.values() for k in (4, mb, mb)]
                               + [n * p.element_size() for p, n in on_cpu.items()
                                  if p not in sinks and p.dtype != torch.float32]
                               + HostGradients.host_bytes_needed(on_cpu, grads, optimizer_in_backward))
         self.arena, self.streams, self.grads_mode = arena, streams, grads
-        self._slots = {p: _Slot(p, group_of[p], arena, sinks.get(p), where.get(p, "host")) for p in order}
+        self._slots = {p: _Slot(p, group_of[p], arena, sinks.get(p), where.get(p, "host"), moment_dtype, seed=k + 1)
+                       for k, p in enumerate(order)}
+        self.moments = moments
         # the CPU share (its own gradients, hooks and worker) and the device share, each in the user's order for now
         self._host_slots = {p: s for p, s in self._slots.items() if s.where == "host"}
         self._device_slots = [s for s in self._slots.values() if s.where != "host"]
@@ -619,10 +634,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if target.is_contiguous():
                 bf16_out = target.view(-1)
         t0 = time.perf_counter()
-        ops.adamw_step_(slot.master, slot.exp_avg, slot.exp_avg_sq, grad, lr=h["lr"], beta1=h["beta1"],
-                        beta2=h["beta2"], eps=h["eps"], weight_decay=wd if h["decoupled"] else 0.0,
-                        step=int(slot.step.item()), maximize=h["maximize"], param_bf16=bf16_out,
-                        num_threads=self._adam_threads)
+        kw = dict(lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                  weight_decay=wd if h["decoupled"] else 0.0, step=int(slot.step.item()), maximize=h["maximize"],
+                  param_bf16=bf16_out, num_threads=self._adam_threads)
+        if slot.exp_avg.dtype == torch.bfloat16:
+            ops.adamw_step_sr_(slot.master, slot.exp_avg, slot.exp_avg_sq, grad, seed=slot.seed, **kw)
+        else:
+            ops.adamw_step_(slot.master, slot.exp_avg, slot.exp_avg_sq, grad, **kw)
         self._adam_seconds += time.perf_counter() - t0
         if slot.sink is not None:
             if bf16_out is None:
@@ -913,5 +931,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 + (self._device_steps.buffer_bytes() if self._device_steps is not None else 0),
                 "device_params": sum(len(g["params"]) for g in (self._device_opt.param_groups
                                                                   if self._device_opt else [])),
-                "host_bytes": 4 * 3 * sum(s.master.numel() for s in on_host) + self._grads.nbytes()
+                "moments": self.moments,
+                "host_bytes": sum(s.master.numel() * (4 + 2 * s.exp_avg.element_size()) for s in on_host)
+                + self._grads.nbytes()
                 + sum(s.out.numel() * s.out.element_size() for s in self._slots.values() if s.out is not None)}
