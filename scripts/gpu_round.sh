@@ -6,6 +6,7 @@
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 #                                                                   adamw_tests engine_full engine_full_accum
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
+#                                                                   recipe_8b_full
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -65,6 +66,9 @@ for s in "$@"; do case $s in
           --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
         cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
       done; done ;;
+  recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \
+      recipes/sft.py --config configs/llama3-8b-full-24gib.yaml --train.steps 6 --output_dir /tmp/sft8bfull
+      cp /tmp/sft8bfull/summary.json "$OUT/sft-llama3-8b-full-$GPU-$SHA.json" ;;
   tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 200 tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_quant_linear_cuda.py tests/quant tests/test_native_layers.py ;;
   *) say "unknown step $s" ;;

@@ -39,6 +39,7 @@ BENCHMARK_CONFIGS = {
     "llama3-8b-lora-nvfp4-24gib.yaml": ("llama3-8b", "nvfp4", 16),
     "llama3-70b-lora-nf4-24gib.yaml": ("llama3-70b", "nf4", 16),
     "llama3.2-3b-full-24gib.yaml": ("llama3.2-3b", None, None),
+    "llama3-8b-full-24gib.yaml": ("llama3-8b", None, None),
 }
 
 
@@ -59,6 +60,8 @@ def test_benchmark_configs(name):
     assert cfg.loop == ("trainer" if shape == "llama3-70b" else "plain")  # issue 5: the 70B nf4 run through Trainer
     if r is not None:
         assert cfg.lora.target_modules == "all-linear"
+    if name == "llama3-8b-full-24gib.yaml":  # its state fits a 128 GiB host with bf16 moments only
+        assert cfg.trainstream.optimizer_moments == "bfloat16" and cfg.trainstream.offload_optimizer is True
 
 
 def test_model_jsons_agree_with_the_benchmark_shapes():
