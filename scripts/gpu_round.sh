@@ -6,7 +6,7 @@
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 #                                                                   adamw_tests engine_full engine_full_accum
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
-#                                                                   recipe_8b_full
+#                                                                   recipe_8b_full engine_full_8b
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -66,6 +66,8 @@ for s in "$@"; do case $s in
           --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
         cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
       done; done ;;
+  engine_full_8b) run 580 engine_full_8b $B engine --peers ds3,ts_full --full-shape llama3-8b --warmup 1 --repeats 3 \
+      --out "$OUT" --name "engine-full-8b-$GPU-$SHA" ;;
   recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \
       recipes/sft.py --config configs/llama3-8b-full-24gib.yaml --train.steps 6 --output_dir /tmp/sft8bfull
       cp /tmp/sft8bfull/summary.json "$OUT/sft-llama3-8b-full-$GPU-$SHA.json" ;;

@@ -339,3 +339,14 @@ def test_accum_rows_count_every_micro_batch(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(3 * 64 / r["step_s"], rel=1e-6)
     with pytest.raises(ValueError, match="accum"):
         peers.run(quick=True, peers=["full"], accum=0)
+
+
+def test_zero3_peer_offloads_parameters_and_optimizer():
+    cfg = peers.zero3_offload_config(1, gradient_accumulation_steps=4)
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_param"]["device"] == "cpu" == z["offload_optimizer"]["device"]
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["bf16"]["enabled"]
+    with pytest.raises(ValueError, match="stage 2 or 3"):
+        peers.deepspeed_zero2_offload("tiny", stage=4, device="cpu")
+    row = peers.deepspeed_zero2_offload("tiny", stage=3, device="cpu")  # no CUDA (or no deepspeed) here
+    assert row["status"].startswith("not run") and "ZeRO-3" in row["name"] and "offload_param cpu" in row["name"]

@@ -238,10 +238,26 @@ def zero2_offload_config(batch: int, **overrides) -> dict:
     return config
 
 
+def zero3_offload_config(batch: int, **overrides) -> dict:
+    """:func:`zero2_offload_config` at ZeRO stage 3 with the parameters offloaded to pinned host memory too
+    (``offload_param``), the settings of the DeepSpeed docs' ZeRO-Infinity CPU example."""
+    config = zero2_offload_config(batch)
+    config["zero_optimization"] = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": int(2e8),
+        "stage3_prefetch_bucket_size": int(2e8), "stage3_param_persistence_threshold": int(1e5),
+    }
+    config.update(overrides)
+    return config
+
+
 def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
                             vram_budget: Optional[int] = None, *, batch: int = 1, seq: int = 2048,
                             warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
-                            ds_overrides: Optional[dict] = None, lora: bool = False, accum: int = 1) -> dict:
+                            ds_overrides: Optional[dict] = None, lora: bool = False, accum: int = 1,
+                            stage: int = 2) -> dict:
     """Full fine-tune with DeepSpeed ZeRO-2 + CPU optimizer offload (DeepSpeedCPUAdam), one process; with ``lora``,
     PEFT LoRA (the peers' r16 on every linear layer) over the frozen bf16 base instead, DeepSpeed holding the
     adapters' optimizer state in host RAM (lr 1e-4, the other LoRA rows').
@@ -254,13 +270,18 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
         vram_budget: allocator cap in bytes (the reference run uses 24 GiB).
         ds_overrides: top-level keys replacing those of :func:`zero2_offload_config`.
         accum: micro-batches per optimizer step (DeepSpeed's ``gradient_accumulation_steps``).
+        stage: 2, or 3 (ZeRO-3 with the parameters offloaded to the CPU too, :func:`zero3_offload_config`: the peer of
+            a full fine-tune whose weights do not fit the GPU).
 
     Returns:
         The result row; ``status`` is ``"not run: ..."`` without deepspeed, its op, or CUDA.
     """
-    device, fields = _common("deepspeed_zero2_offload" + ("_lora" if lora else ""), shape, grad_ckpt, batch, seq,
-                             device)
-    name = (f"DeepSpeed ZeRO-2{' + PEFT LoRA r16' if lora else ''}, offload_optimizer cpu, bf16"
+    device, fields = _common(f"deepspeed_zero{stage}_offload" + ("_lora" if lora else ""), shape, grad_ckpt, batch,
+                             seq, device)
+    if stage not in (2, 3):
+        raise ValueError(f"deepspeed_zero2_offload: stage 2 or 3, got {stage!r}")
+    name = (f"DeepSpeed ZeRO-{stage}{' + PEFT LoRA r16' if lora else ''}, offload_optimizer cpu"
+            f"{', offload_param cpu' if stage == 3 else ''}, bf16"
             f"{', grad ckpt' if grad_ckpt else ''}" + (f", {accum} micro-batches" if accum > 1 else ""))
     fields["accum"] = accum
     if importlib.util.find_spec("deepspeed") is None:
@@ -286,7 +307,8 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
         _init_single_rank(deepspeed)
     except Exception as err:  # noqa: BLE001
         return not_run(name, f"1-rank process group failed: {type(err).__name__}: {err}", **fields)
-    config = zero2_offload_config(batch, **{"gradient_accumulation_steps": accum, **(ds_overrides or {})})
+    config = (zero2_offload_config if stage == 2 else zero3_offload_config)(
+        batch, **{"gradient_accumulation_steps": accum, **(ds_overrides or {})})
     if lora:
         config["optimizer"]["params"]["lr"] = 1e-4
 
@@ -378,7 +400,7 @@ def measure_pinned_bandwidth(nbytes: int = 256 * MiB, repeats: int = 10) -> dict
     return {"bytes": nbytes, "h2d_GBps": nbytes / h2d / 1e9, "d2h_GBps": nbytes / d2h / 1e9, "status": "ok"}
 
 
-PEERS = ("bandwidth", "peft", "peft_ckpt", "bnb", "bnb_ckpt", "full", "ds", "ds_ckpt", "cpu_adamw")
+PEERS = ("bandwidth", "peft", "peft_ckpt", "bnb", "bnb_ckpt", "full", "ds", "ds_ckpt", "ds3", "ds3_ckpt", "cpu_adamw")
 
 
 def _guarded(name: str, fn: Callable[[], dict]) -> dict:
@@ -483,6 +505,8 @@ def run(quick: bool = False, shape: Optional[str] = None, full_shape: Optional[s
         "full": ("full", lambda: torch_full(full_shape, False, **kw_full)),
         "ds": ("full", lambda: deepspeed_zero2_offload(full_shape, False, budget, **kw_full)),
         "ds_ckpt": ("full", lambda: deepspeed_zero2_offload(full_shape, True, budget, **kw_full)),
+        "ds3": ("full", lambda: deepspeed_zero2_offload(full_shape, False, budget, stage=3, **kw_full)),
+        "ds3_ckpt": ("full", lambda: deepspeed_zero2_offload(full_shape, True, budget, stage=3, **kw_full)),
         "cpu_adamw": ("optimizer", lambda: cpu_adamw_time(2_000_000 if quick else full_numel,
                                                      repeats=kw["repeats"])),
     }
