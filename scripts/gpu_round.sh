@@ -66,7 +66,7 @@ for s in "$@"; do case $s in
           --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
         cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
       done; done ;;
-  engine_full_8b) run 580 engine_full_8b $B engine --peers ds3,ts_full --full-shape llama3-8b --warmup 1 --repeats 3 \
+  engine_full_8b) run 580 engine_full_8b $B engine --peers ds3,ts_full_bf16m --full-shape llama3-8b --warmup 1 --repeats 3 \
       --out "$OUT" --name "engine-full-8b-$GPU-$SHA" ;;
   recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \
       recipes/sft.py --config configs/llama3-8b-full-24gib.yaml --train.steps 6 --output_dir /tmp/sft8bfull

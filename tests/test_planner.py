@@ -485,7 +485,9 @@ def test_streamed_share_balances_cpu_and_link_or_takes_a_fraction():
     everything = _plan(model, optimizer_streamed=1.0, **kw)
     assert everything.streamed_numel == base.offload_numel and everything.streamed_optimizer == base.offload_optimizer
     assert everything.fixed_bytes == base.fixed_bytes + 3 * 12 * 1024  # the ring; device gradients already counted
-    assert everything.host_bytes() == base.host_bytes() - 6 * base.offload_numel  # no gradient buffer or bf16 copy
+    # fp32 parameters, device gradients: 16 bytes each on the CPU share (master, moments, gradient buffer), 12 streamed
+    assert base.host_bytes() == 16 * base.offload_numel
+    assert everything.host_bytes() == base.host_bytes() - 4 * base.offload_numel
     assert _plan(model, optimizer_streamed=0.0, **kw).streamed_numel == 0
     # A slower CPU sends more to the link; the floor counts both.
     slow = _plan(model, optimizer_streamed=True, cpu_adam_pps=base.pcie_bps / 120, **kw)
@@ -552,3 +554,20 @@ def test_bf16_moments_count_half_the_moment_bytes_and_keep_the_cpu_share():
     assert approx.host_bytes() == _plan(model, optimizer_resident=False, optimizer_streamed=False,
                                         **{k: v for k, v in kw.items() if not k.startswith("optimizer_")}).host_bytes() \
         - 4 * approx.offload_numel
+
+
+def test_host_bytes_follow_each_parameters_dtype_and_placement():
+    """bf16 parameters: master 4 + moments 8 + gradient buffer 2 + the weight copy 2 (none when paged: the paged
+    weight's host copy is counted with the blocks); host gradients keep the bf16 first term only."""
+    model = _llama(dtype=torch.bfloat16)
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, optimizer_resident=False, optimizer_streamed=False)
+    dev = _plan(model, grads="device", **kw)
+    assert dev.host_bytes() == 16 * dev.offload_numel
+    host = _plan(model, grads="host", **kw)
+    assert host.host_bytes() == 16 * host.offload_numel
+    paged = _plan(model, page_weights=True, **kw)
+    in_blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers.") and p.numel() >= 2000)
+    assert paged.grads == "host"
+    assert paged.host_bytes() == paged.paged_bytes() + 16 * paged.offload_numel - 2 * in_blocks
+    approx = _plan(model, page_weights=True, optimizer_moments="bfloat16", **kw)
+    assert paged.host_bytes() - approx.host_bytes() == 4 * paged.offload_numel

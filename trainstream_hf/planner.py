@@ -132,6 +132,9 @@ class Plan:
     resident_numel: int = 0
     streamed_numel: int = 0
     moment_bytes: int = 4  # per moment element on the host: 4 (float32) or 2 (bfloat16, optimizer_moments)
+    # host bytes of the offloaded optimizer, counted per parameter from its dtype and placement (see
+    # _optimizer_host_bytes); None: estimated from the element counts alone
+    optimizer_host_bytes: int | None = None
     min_offload_numel: int = MIN_OFFLOAD_NUMEL
     forward_seconds: float | None = None  # one block's measured forward time
 
@@ -223,11 +226,13 @@ class Plan:
         """Host RAM the plan puts in the arena: paged weights, every offloaded block's activations (all
         are on the host at the end of the forward pass) and, per offloaded parameter, the fp32 master,
         both moments and the fp32 gradient buffer (16 bytes) plus a 2-byte copy in the device dtype."""
-        cpu = self.offload_numel - self.resident_numel - self.streamed_numel  # streamed: state only, 12 bytes
-        per_cpu = 4 + 2 * self.moment_bytes + 4 + 2  # master, moments, the gradient buffer and the weight copy
-        return (self.paged_bytes()
-                + sum(b.host_activation_bytes() for b in self.blocks)
-                + per_cpu * cpu + 12 * self.streamed_numel + (2 * cpu if self.grads == "host" else 0))
+        if self.optimizer_host_bytes is not None:
+            optimizer = self.optimizer_host_bytes
+        else:
+            cpu = self.offload_numel - self.resident_numel - self.streamed_numel  # streamed: state only, 12 bytes
+            per_cpu = 4 + 2 * self.moment_bytes + 4 + 2  # master, moments, the gradient buffer and the weight copy
+            optimizer = per_cpu * cpu + 12 * self.streamed_numel + (2 * cpu if self.grads == "host" else 0)
+        return self.paged_bytes() + sum(b.host_activation_bytes() for b in self.blocks) + optimizer
 
     @property
     def recomputed_blocks(self) -> list[int]:
@@ -825,6 +830,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         settle(True, True, only=paged_trainable)
     elif paged_trainable and pl.offload_optimizer and pl.grads == "device":
         settle(True, True)
+    in_host_blocks_now = {id(q) for b in block_plans if b.weights == "host" for q in blocks[b.index].parameters()}
+    by_name = dict(big)
+    pl.optimizer_host_bytes = _optimizer_host_bytes(pl, by_name, in_host_blocks_now)
     if host_budget is not None and pl.host_bytes() > host_budget:
         _fit_host(pl, int(host_budget))
     if not pl.fits():
@@ -841,7 +849,34 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         candidates = [(n, p) for n, p in big if n in offloaded and id(p) not in in_host_blocks]
         _device_share(pl, candidates, resident=optimizer_resident is True or (optimizer_resident == "auto" and cuda),
                       streamed=_streamed_fraction(optimizer_streamed, cuda), chunk_numel=device_chunk_numel)
+        pl.optimizer_host_bytes = _optimizer_host_bytes(pl, by_name, in_host_blocks_now)
     return pl
+
+
+def _optimizer_host_bytes(pl: Plan, by_name: dict, paged_ids: set) -> int:
+    """Host bytes of the offloaded optimizer as ``OffloadedAdamW`` allocates them: per CPU-stepped parameter the fp32
+    master and both moments, its gradient buffer (device gradients: the parameter's dtype; host gradients: bf16 for a
+    bf16 parameter, whose fp32 accumulator is made only under gradient accumulation, else fp32) and the weight copy
+    sent up after the step (none for a paged weight, whose host copy is counted with the paged blocks, or an fp32
+    one); per streamed parameter its master and moments (12 bytes); nothing for a resident one."""
+    resident, streamed = set(pl.resident_optimizer), set(pl.streamed_optimizer)
+    total = 0
+    for name in pl.offload_optimizer:
+        p = by_name[name]
+        n = p.numel()
+        if name in resident:
+            continue
+        if name in streamed:
+            total += 12 * n
+            continue
+        total += n * (4 + 2 * pl.moment_bytes)
+        if pl.grads == "host":
+            total += n * (2 if p.dtype == torch.bfloat16 else 4)
+        else:
+            total += n * p.element_size()
+        if id(p) not in paged_ids and p.dtype != torch.float32:
+            total += n * p.element_size()
+    return total
 
 
 def _fit_host(pl: Plan, host_budget: int) -> None:

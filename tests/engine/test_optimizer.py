@@ -677,3 +677,20 @@ def test_bf16_moments_refuse_the_device_share_and_unknown_names():
         wrap(torch.optim.AdamW(model.parameters(), **HP), ps, moments="bfloat16", resident=ps[:1])
     with pytest.raises(ValueError, match="moments: 'float32' .* or 'bfloat16'"):
         wrap(torch.optim.AdamW(model.parameters(), **HP), ps, moments="fp8")
+
+
+def test_host_mode_bf16_accumulator_only_when_a_second_term_comes():
+    """Host gradients of bf16 parameters: the first term waits in a bf16 buffer; the fp32 accumulator (4 bytes a
+    parameter) is made only when gradient accumulation brings a second term."""
+    model = make_model(dtype=torch.bfloat16)
+    ps = list(model.parameters())
+    numel = sum(p.numel() for p in ps)
+    opt = wrap(torch.optim.AdamW(model.parameters(), **HP), ps, "host")
+    assert opt._grads.nbytes() == 2 * numel
+    backward(model, make_data(1)[0])
+    opt.step()
+    assert opt._grads.nbytes() == 2 * numel  # one micro-batch: never made
+    opt.zero_grad()
+    backward(model, make_data(1, micro=2)[0])
+    opt.step()
+    assert opt._grads.nbytes() >= 6 * numel  # accumulation: made (plus the staging ring)

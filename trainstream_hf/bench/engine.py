@@ -219,6 +219,9 @@ JOBS = {
     # every offloaded parameter stepped by the CPU AdamW: no resident or streamed share (the plan before 2026-12-06)
     "ts_full_cpu": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, optimizer_resident=False, optimizer_streamed=False, name_suffix=", CPU AdamW only", **kw)),
+    # the CPU share's moments in bf16, stochastically rounded (opt-in): the 8B full fine-tune's state in a 128 GiB host
+    "ts_full_bf16m": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, optimizer_moments="bfloat16", name_suffix=", bf16 moments", **kw)),
     # the same with device gradients (the Trainer's setting: its clipping needs them), overlapped and serial steps
     "ts_full_devgrads": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, grads="device", name_suffix=", device grads", **kw)),

@@ -105,12 +105,16 @@ def _weak_hook(method):
 
 
 class _GradBuffer:
-    """The host gradient of one parameter: ``host`` holds it once ``transfer`` (if any) is done."""
+    """The host gradient of one parameter: ``host`` holds it once ``transfer`` (if any) is done. With a ``low``
+    buffer (host mode, bf16), the fp32 accumulator ``host`` is allocated by ``accumulator()`` when a second term
+    first needs it: a run without gradient accumulation never holds it (4 bytes a parameter: an 8B full fine-tune's
+    32 GB)."""
 
-    __slots__ = ("host", "low", "in_low", "transfer", "filled")
+    __slots__ = ("host", "low", "in_low", "transfer", "filled", "_make")
 
-    def __init__(self, host: torch.Tensor, low: torch.Tensor | None = None):
+    def __init__(self, host: torch.Tensor | None, low: torch.Tensor | None = None, make=None):
         self.host = host
+        self._make = make  # () -> the fp32 accumulator, when host is None
         self.low = low  # host mode, bf16 parameters: the first term, unconverted
         self.in_low = False  # this step's gradient is (only) in ``low``
         self.transfer: Transfer | None = None
@@ -120,6 +124,11 @@ class _GradBuffer:
         if self.transfer is not None:
             self.transfer.synchronize()
             self.transfer = None
+
+    def accumulator(self) -> torch.Tensor:
+        if self.host is None:
+            self.host = self._make()
+        return self.host
 
 
 class HostGradients:
@@ -155,12 +164,16 @@ class HostGradients:
         self.d2h_bytes = 0
         self._params = list(params)
         self._shapes = {p: torch.Size(shapes[p]) if shapes and p in shapes else p.shape for p in self._params}
-        # device mode copies the gradient as it is (the kernel reads bf16 directly); host mode sums in fp32
-        self._bufs = {p: _GradBuffer(arena.empty([self._shapes[p].numel()],
-                                                 p.dtype if mode == "device" else torch.float32),
-                                     arena.empty([self._shapes[p].numel()], p.dtype)
-                                     if self._low_dtype(p, mode, self.single_term) else None)
-                      for p in self._params}
+        # device mode copies the gradient as it is (the kernel reads bf16 directly); host mode sums in fp32, in an
+        # accumulator made on first need where the first term has a buffer of its own dtype
+        self._bufs = {}
+        for p in self._params:
+            n = self._shapes[p].numel()
+            if self._low_dtype(p, mode, self.single_term):
+                self._bufs[p] = _GradBuffer(None, arena.empty([n], p.dtype),
+                                            make=lambda n=n: arena.empty([n], torch.float32))
+            else:
+                self._bufs[p] = _GradBuffer(arena.empty([n], p.dtype if mode == "device" else torch.float32))
         self._ring_bytes = max((self._shapes[p].numel() * p.element_size() for p in self._params), default=0)
         self._ring: list[torch.Tensor] = []  # allocated on first use: not every run accumulates
         self._ring_size = staging_slots
@@ -188,9 +201,10 @@ class HostGradients:
 
     @staticmethod
     def host_bytes_needed(numels: Mapping[nn.Parameter, int], mode: str, single_term: bool = False) -> list[int]:
-        """Byte counts of the buffers the constructor allocates (for ``HostArena.reserve_for``)."""
-        return [n * (p.element_size() if mode == "device" else 4) for p, n in numels.items()] + \
-            [2 * n for p, n in numels.items() if HostGradients._low_dtype(p, mode, single_term)]
+        """Byte counts of the buffers the constructor allocates (for ``HostArena.reserve_for``); a host-mode bf16
+        parameter's fp32 accumulator is made only when a second gradient term comes (not counted)."""
+        return [2 * n if HostGradients._low_dtype(p, mode, single_term) else
+                n * (p.element_size() if mode == "device" else 4) for p, n in numels.items()]
 
     # -- validation -----------------------------------------------------------------------------
     def check(self, p: nn.Parameter, grad: torch.Tensor) -> None:
@@ -245,7 +259,7 @@ class HostGradients:
         if not buf.filled and (grad.dtype == torch.float32 or low):
             # first term: copy straight into the fp32 accumulator or the low buffer, no staging, no conversion
             buf.in_low = low
-            buf.transfer = self._copy(grad, buf.low if buf.in_low else buf.host)
+            buf.transfer = self._copy(grad, buf.low if buf.in_low else buf.accumulator())
             buf.filled = True
         elif self.single_term:
             raise RuntimeError(f"HostGradients(single_term=True): a {'second ' if buf.filled else ''}{grad.dtype} "
@@ -270,9 +284,9 @@ class HostGradients:
         transfer.synchronize()
         buf.wait()  # (a bf16 first term was widened before this term was staged, in _on_grad)
         if buf.filled:
-            buf.host.add_(stage)
+            buf.accumulator().add_(stage)
         else:
-            buf.host.copy_(stage)
+            buf.accumulator().copy_(stage)
             buf.filled = True
         self._pending[i] = None
 
@@ -281,7 +295,7 @@ class HostGradients:
         """A second term is coming: the bf16 first term moves into the fp32 accumulator (exactly)."""
         if buf.in_low:
             buf.wait()
-            buf.host.copy_(buf.low)
+            buf.accumulator().copy_(buf.low)
             buf.in_low = False
 
     def _drain(self) -> None:
@@ -357,6 +371,7 @@ class HostGradients:
 
     def nbytes(self) -> int:
         """Host bytes held by the gradient buffers and the staging ring."""
-        return (sum(b.host.numel() * b.host.element_size() + (0 if b.low is None else 2 * b.low.numel())
+        return (sum((0 if b.host is None else b.host.numel() * b.host.element_size())
+                    + (0 if b.low is None else 2 * b.low.numel())
                     for b in self._bufs.values())
                 + len(self._ring) * self._ring_bytes)
