@@ -85,7 +85,8 @@ def plan_summary(plan) -> dict:
     """The plan's placement decisions as JSON values."""
     return {"paged_blocks": plan.paged_blocks, "offloaded_activation_blocks": plan.offloaded_activation_blocks,
             "recomputed_blocks": plan.recomputed_blocks, "offloaded_optimizer_params": len(plan.offload_optimizer),
-            "offloaded_optimizer_numel": plan.offload_numel, "grads": plan.grads,
+            "offloaded_optimizer_numel": plan.offload_numel, "resident_optimizer_numel": plan.resident_numel,
+            "streamed_optimizer_numel": plan.streamed_numel, "moment_bytes": plan.moment_bytes, "grads": plan.grads,
             "predicted_peak_bytes": plan.predicted_peak(), "pcie_bytes_per_step": plan.pcie_bytes(),
             "host_bytes": plan.host_bytes()}
 
