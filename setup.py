@@ -80,7 +80,10 @@ define_macros = []
 opt = ["-O0", "-g"] if debug else ["-O3"]
 # -g0: Python's own CFLAGS carry -g; with it an ATen-heavy unit takes ~40% longer to compile and its object file is
 # ~30x larger (benchmarks/NOTES.md, 2026-12-06), for debug information only DEBUG=1 builds use.
-cxx_flags = opt + ([] if debug else ["-g0"]) + ["-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
+# -fno-math-errno: sqrt is one instruction (the same correctly rounded result; nothing reads errno), so compiler-
+# vectorized loops such as csrc/cpu/adamw.cpp's bf16-moment step vectorize.
+cxx_flags = opt + ([] if debug else ["-g0"]) + ["-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas",
+                                               "-fno-math-errno"]
 nvcc_flags = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
 if debug:
     cxx_flags.append("-UNDEBUG")

@@ -199,3 +199,24 @@ def test_adamw_sr_bad_input():
         ops.adamw_step_sr_(p, m[:32], v[:32], g, lr=1e-3, step=1)
     with pytest.raises(RuntimeError, match="step counts updates from 1"):
         ops.adamw_step_sr_(p, m, v, g, lr=1e-3, step=0)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_sr_simd_paths_bit_identical(grad_dtype, monkeypatch):
+    """The bf16-moment loop, compiled for each instruction set this CPU has (the compiler vectorizes it), writes the
+    same bits in each: the same operations in the same order, specials (inf, NaN) included."""
+    n = 100_003
+    results = {}
+    for isa in _supported_isas():
+        monkeypatch.setenv("TRAINSTREAM_CPU_ISA", isa)
+        p, m, v, g = _sr_state(n, seed=4)
+        g = g.to(grad_dtype)
+        g[:3] = torch.tensor([float("inf"), float("nan"), 1e30])
+        out = torch.empty(n, dtype=torch.bfloat16)
+        ops.adamw_step_sr_(p, m, v, g, lr=1e-2, weight_decay=0.1, step=3, seed=9, param_bf16=out)
+        results[isa] = (p, m, v, out)
+    first = results["scalar"]
+    for isa, r in results.items():
+        for a, b in zip(first, r):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32)), isa

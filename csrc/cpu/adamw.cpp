@@ -236,18 +236,34 @@ namespace {
 
 // Stochastic rounding to bf16: the float's bits plus 16 random bits, truncated. E[result] = f (unbiased), so a moment
 // whose per-step change is below half a bf16 ulp (beta2 = 0.999: 0.1% against 0.39%) still moves on average, where
-// round-to-nearest would freeze it. NaN stays a quiet NaN; +-inf stays inf.
-inline uint16_t to_bf16_sr(float f, uint32_t r16) {
+// round-to-nearest would freeze it. NaN stays a quiet NaN; +-inf stays inf. Branch-free, so the loop vectorizes.
+__attribute__((always_inline)) inline uint16_t to_bf16_sr(float f, uint32_t r16) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  if ((u & 0x7fffffffu) == 0x7f800000u) return static_cast<uint16_t>(u >> 16);
-  return static_cast<uint16_t>((u + r16) >> 16);
+  const uint32_t mag = u & 0x7fffffffu;
+  const uint32_t rounded = (u + r16) >> 16;
+  const uint32_t special = mag > 0x7f800000u ? ((u >> 16) | 0x40u) : (u >> 16);  // NaN quietened, inf kept
+  return static_cast<uint16_t>(mag >= 0x7f800000u ? special : rounded);
+}
+
+// to_bf16 (round to nearest even, NaN quietened) without a branch, for the vectorized loop: the same bits.
+__attribute__((always_inline)) inline uint16_t to_bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+
+__attribute__((always_inline)) inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // 32 random bits per element, a function of (seed, step, element index) only: the result does not depend on the
 // thread count or the chunking. "lowbias32" integer finaliser (C. Wellons, hash-prospector).
-inline uint32_t sr_bits(uint32_t seed, uint32_t step, uint64_t index) {
+__attribute__((always_inline)) inline uint32_t sr_bits(uint32_t seed, uint32_t step, uint64_t index) {
   uint32_t h = static_cast<uint32_t>(index) ^ static_cast<uint32_t>(index >> 32) * 0x27d4eb2du ^ seed * 0x9e3779b9u ^
                step * 0x85ebca6bu;
   h ^= h >> 16;
@@ -258,24 +274,65 @@ inline uint32_t sr_bits(uint32_t seed, uint32_t step, uint64_t index) {
   return h;
 }
 
-template <typename G>
-void adamw_sr_chunk(float* __restrict p, uint16_t* __restrict m, uint16_t* __restrict v, const G* __restrict g,
-                    uint16_t* __restrict out, int64_t lo, int64_t hi, const Scalars& s, float sign, uint32_t seed,
-                    uint32_t step) {
+template <typename G, bool kOut>
+__attribute__((always_inline)) inline void adamw_sr_body(float* __restrict p, uint16_t* __restrict m,
+                                                         uint16_t* __restrict v, const G* __restrict g,
+                                                         uint16_t* __restrict out, int64_t lo, int64_t hi,
+                                                         const Scalars& s, float sign, uint32_t seed, uint32_t step) {
+  const float decay = s.decay, omb1 = s.one_m_beta1, b2 = s.beta2, omb2 = s.one_m_beta2, bc2 = s.bc2_sqrt,
+              eps = s.eps, nstep = s.neg_step;
   for (int64_t i = lo; i < hi; ++i) {
     float gi;
-    if constexpr (sizeof(G) == 2) gi = from_bf16(g[i]) * sign; else gi = g[i] * sign;
-    const float m0 = from_bf16(m[i]), v0 = from_bf16(v[i]);
-    const float pi = p[i] * s.decay;
-    const float mi = std::fma(s.one_m_beta1, gi - m0, m0);
-    const float vi = std::fma(s.one_m_beta2 * gi, gi, v0 * s.beta2);
-    const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
-    const float pn = std::fma(s.neg_step, mi / denom, pi);
+    if constexpr (sizeof(G) == 2) gi = bf16_to_float(g[i]) * sign; else gi = g[i] * sign;
+    const float m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
+    const float pi = p[i] * decay;
+    const float mi = std::fma(omb1, gi - m0, m0);
+    const float vi = std::fma(omb2 * gi, gi, v0 * b2);
+    const float denom = std::sqrt(vi) / bc2 + eps;
+    const float pn = std::fma(nstep, mi / denom, pi);
     const uint32_t r = sr_bits(seed, step, static_cast<uint64_t>(i));
     m[i] = to_bf16_sr(mi, r & 0xffffu);
     v[i] = to_bf16_sr(vi, r >> 16);
     p[i] = pn;
-    if (out != nullptr) out[i] = to_bf16(pn);
+    if constexpr (kOut) out[i] = to_bf16_rne(pn);
+  }
+}
+
+// The loop, inlined into one function per instruction set (below), each compiled for it and vectorized by the
+// compiler: the same operations in the same order in every one (fp-contract off, explicit fma, correctly rounded
+// sqrt and division), so they write the same bits.
+template <typename G>
+__attribute__((always_inline)) inline void adamw_sr_loop(float* p, uint16_t* m, uint16_t* v, const G* g,
+                                                         uint16_t* out, int64_t lo, int64_t hi, const Scalars& s,
+                                                         float sign, uint32_t seed, uint32_t step) {
+  if (out != nullptr) {
+    adamw_sr_body<G, true>(p, m, v, g, out, lo, hi, s, sign, seed, step);
+  } else {
+    adamw_sr_body<G, false>(p, m, v, g, out, lo, hi, s, sign, seed, step);
+  }
+}
+
+template <typename G>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adamw_sr_avx512(
+    float* p, uint16_t* m, uint16_t* v, const G* g, uint16_t* out, int64_t lo, int64_t hi, const Scalars& s,
+    float sign, uint32_t seed, uint32_t step) {
+  adamw_sr_loop<G>(p, m, v, g, out, lo, hi, s, sign, seed, step);
+}
+
+template <typename G>
+__attribute__((target("avx2,fma"))) void adamw_sr_avx2(
+    float* p, uint16_t* m, uint16_t* v, const G* g, uint16_t* out, int64_t lo, int64_t hi, const Scalars& s,
+    float sign, uint32_t seed, uint32_t step) {
+  adamw_sr_loop<G>(p, m, v, g, out, lo, hi, s, sign, seed, step);
+}
+
+template <typename G>
+void adamw_sr_chunk(float* p, uint16_t* m, uint16_t* v, const G* g, uint16_t* out, int64_t lo, int64_t hi,
+                    const Scalars& s, float sign, uint32_t seed, uint32_t step, Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: adamw_sr_avx512<G>(p, m, v, g, out, lo, hi, s, sign, seed, step); break;
+    case Isa::kAvx2: adamw_sr_avx2<G>(p, m, v, g, out, lo, hi, s, sign, seed, step); break;
+    default: adamw_sr_loop<G>(p, m, v, g, out, lo, hi, s, sign, seed, step);
   }
 }
 
@@ -306,13 +363,14 @@ void adamw_step_sr_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_a
   const bool g16 = grad.scalar_type() == at::kBFloat16;
   const void* g = grad.data_ptr();
   const uint32_t seed32 = static_cast<uint32_t>(seed), step32 = static_cast<uint32_t>(step);
+  const Isa isa = detect_isa();
   const int threads = num_threads > 0 ? static_cast<int>(num_threads) : default_num_threads();
   global_pool().parallel_for(n, 1 << 16, threads, [&](int64_t lo, int64_t hi) {
     if (lo >= hi) return;
     if (g16) {
-      adamw_sr_chunk<uint16_t>(p, m, v, static_cast<const uint16_t*>(g), out, lo, hi, s, sign, seed32, step32);
+      adamw_sr_chunk<uint16_t>(p, m, v, static_cast<const uint16_t*>(g), out, lo, hi, s, sign, seed32, step32, isa);
     } else {
-      adamw_sr_chunk<float>(p, m, v, static_cast<const float*>(g), out, lo, hi, s, sign, seed32, step32);
+      adamw_sr_chunk<float>(p, m, v, static_cast<const float*>(g), out, lo, hi, s, sign, seed32, step32, isa);
     }
   });
 }
