@@ -830,9 +830,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         settle(True, True, only=paged_trainable)
     elif paged_trainable and pl.offload_optimizer and pl.grads == "device":
         settle(True, True)
-    in_host_blocks_now = {id(q) for b in block_plans if b.weights == "host" for q in blocks[b.index].parameters()}
     by_name = dict(big)
-    pl.optimizer_host_bytes = _optimizer_host_bytes(pl, by_name, in_host_blocks_now)
+    pl.optimizer_host_bytes = _optimizer_host_bytes(pl, by_name, in_host_blocks)
     if host_budget is not None and pl.host_bytes() > host_budget:
         _fit_host(pl, int(host_budget))
     if not pl.fits():
@@ -849,7 +848,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         candidates = [(n, p) for n, p in big if n in offloaded and id(p) not in in_host_blocks]
         _device_share(pl, candidates, resident=optimizer_resident is True or (optimizer_resident == "auto" and cuda),
                       streamed=_streamed_fraction(optimizer_streamed, cuda), chunk_numel=device_chunk_numel)
-        pl.optimizer_host_bytes = _optimizer_host_bytes(pl, by_name, in_host_blocks_now)
+        pl.optimizer_host_bytes = _optimizer_host_bytes(pl, by_name, in_host_blocks)
     return pl
 
 

@@ -484,11 +484,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             # the previous step's bookkeeping (and its updates) still owns the gradient buffers; wrap's hook at the
             # end of every forward has normally waited for it already
             self.synchronize()
-        if p in self._in_backward:
-            raise RuntimeError("OffloadedAdamW(optimizer_in_backward=True): an offloaded parameter received a second "
-                               "gradient before optimizer.step() (gradient accumulation, or a second backward). Its "
-                               "update was already applied from the first one in backward; accumulation needs "
-                               "optimizer_in_backward=False")
+        self._refuse_second_gradient(p)
         slot = self._slots[p]
         h = _hyper(self._cls, self.param_groups[slot.group])  # this step's lr: schedulers step after step()
         self._grads.add(p)
@@ -504,15 +500,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                           compute_done))
         self._executor().submit(self._update_most_urgent)
 
-    def _device_grad_in_backward(self, p: nn.Parameter) -> None:
-        """The post-accumulate-grad hook of a resident or streamed parameter with ``optimizer_in_backward``: queues its
-        device update on the device share's streams behind the kernels backward has queued so far (its gradient is
-        complete); the host never waits."""
+    def _refuse_second_gradient(self, p: nn.Parameter) -> None:
         if p in self._in_backward:
             raise RuntimeError("OffloadedAdamW(optimizer_in_backward=True): an offloaded parameter received a second "
                                "gradient before optimizer.step() (gradient accumulation, or a second backward). Its "
                                "update was already applied from the first one in backward; accumulation needs "
                                "optimizer_in_backward=False")
+
+    def _device_grad_in_backward(self, p: nn.Parameter) -> None:
+        """The post-accumulate-grad hook of a resident or streamed parameter with ``optimizer_in_backward``: queues its
+        device update on the device share's streams behind the kernels backward has queued so far (its gradient is
+        complete); the host never waits."""
+        self._refuse_second_gradient(p)
         slot = self._slots[p]
         grad = device_grad(p)
         DeviceSteps.check(slot, grad)

@@ -76,6 +76,11 @@ def setup(recipe: str, cls: type, argv: list[str] | None, description: str) -> R
     return Run(cfg, command, started, mixed, device, tokenizer)
 
 
+def trainer_of(cfg) -> str:
+    """The recipe's ``trainer`` ('trainstream', or a stock TRL baseline); sft has no such option."""
+    return getattr(cfg, "trainer", "trainstream")
+
+
 def build_policy(run: Run):
     """The base model, built on the device (random weights, or a local checkpoint; packed as built with
     ``trainstream.quantize``), and the ``peft.LoraConfig`` of the ``lora`` section (None with ``lora.r`` null).
@@ -89,7 +94,7 @@ def build_policy(run: Run):
         ConfigError: 'trl_bnb' without CUDA or without bitsandbytes.
     """
     cfg, ts = run.cfg, run.cfg.trainstream
-    trainer = getattr(cfg, "trainer", "trainstream")
+    trainer = trainer_of(cfg)
     if trainer == "trl_bnb":
         import importlib.util
 
@@ -117,7 +122,7 @@ def engine_config(run: Run, batch_shape: tuple[int, int]):
     """The ``trainstream`` section as the trainer's ``trainstream_config`` (None with ``wrap`` false): the base was
     quantized as it was built (wrap finds it packed in that format and leaves it), and ``batch_shape`` (sequences x tokens of one forward) sizes the plan unless the
     section gives one."""
-    if not run.cfg.wrap or getattr(run.cfg, "trainer", "trainstream") != "trainstream":
+    if not run.cfg.wrap or trainer_of(run.cfg) != "trainstream":
         return None
     ts = run.cfg.trainstream
     return replace(ts, batch_shape=ts.batch_shape or tuple(batch_shape), device=ts.device or str(run.device))
@@ -132,7 +137,7 @@ def trl_arguments(run: Run, config_cls: type, output_dir: str, **recipe_args):
     for the stock baselines (``trainer`` 'trl' / 'trl_bnb').
     """
     cfg, tc = run.cfg, run.cfg.train
-    if getattr(cfg, "trainer", "trainstream") == "trainstream":
+    if trainer_of(cfg) == "trainstream":
         # TRL turns gradient checkpointing on by default; what to recompute is the engine's plan's call
         # (trainstream.recompute), and the wrap=false baseline recomputes nothing either.
         recipe_args.setdefault("gradient_checkpointing", False)
@@ -292,13 +297,13 @@ def summary(run: Run, recipe: str, model, counts: dict, progress: Progress, log_
     return {
         "recipe": recipe, **report.run_info(run.device, run.command), "config": to_dict(cfg),
         "model": {"type": model.config.model_type, **counts, "dtype": cfg.dtype,
-                  "quantize": {"trl": None, "trl_bnb": "bitsandbytes nf4"}.get(getattr(cfg, "trainer", None),
+                  "quantize": {"trl": None, "trl_bnb": "bitsandbytes nf4"}.get(trainer_of(cfg),
                                                                              cfg.trainstream.quantize),
                   "lora_r": cfg.lora.r},
         "mixed_precision": run.mixed,
         "steps": len(progress.seconds),
         **results,
-        "trainer": getattr(cfg, "trainer", "trainstream"),
+        "trainer": trainer_of(cfg),
         "timing": {"train_seconds": train_seconds, "median_step_seconds": statistics.median(progress.seconds),
                    # GRPO: each step's sampling (generate()) and the rest (scoring, reference, forward, backward, step)
                    **({"median_generation_seconds": statistics.median(progress.generation_seconds),
