@@ -2,7 +2,8 @@
 # The benchmark table on the GPU machine, longer than one command may run: `start` installs the carried wheels
 # (.whl, and Unsloth's own folder .whl-unsloth), builds the extension, then runs each table given in TABLES (one
 # set of `python -m trainstream_hf.bench table` arguments per line) one after another in a process session of its
-# own, and waits (a line that starts with a suite name, e.g. `cache --quick`, runs that suite instead of the table);
+# own, and waits (a line that starts with a suite name, e.g. `cache --quick`, runs that suite instead of the table;
+# `round engine_full cache` runs those steps of scripts/gpu_round.sh, their JSON under round/);
 # `wait` waits for that session. Both copy what is written so far (JSON, markdown, logs) to $OUT
 # and return before LIMIT seconds (default 570).
 #   TRAINSTREAM_COMMIT=<sha> TABLES=$'--shape llama3.1-8b\n--shape mistral-7b --peers ts_nf4,bnb_ckpt' \
@@ -39,8 +40,13 @@ if [[ ${1:-} == start ]]; then
     while IFS= read -r args; do
       [[ -z $args ]] && continue
       echo "== table $args ($(date -u +%H:%M:%S))" >> "$0/progress.log"
-      case $args in micro*|peers*|engine*|quant*|sqnr*|table*|host*|cache*) suite=;; *) suite=table;; esac
+      case $args in micro*|peers*|engine*|quant*|sqnr*|table*|host*|cache*) suite=;; round*) suite=round;; *) suite=table;; esac
+      if [[ $suite == round ]]; then  # `round <steps>`: scripts/gpu_round.sh steps, its summary as round-<steps>.log
+        mkdir -p "$0/round" && OUT="$0/round" bash scripts/gpu_round.sh ${args#round} 2>> "$0/table.err"
+        cp "$0/round/summary.log" "$0/$(echo $args | tr -c "a-z0-9.\n" -).log" 2>/dev/null
+      else
       '"$PY"' -m trainstream_hf.bench $suite $args --out "$0" > "$0/table-$(echo $suite $args | tr -c "a-z0-9.\n" -).md" 2>> "$0/table.err"
+      fi
       echo "   exit $? ($(date -u +%H:%M:%S))" >> "$0/progress.log"
       rm -rf /tmp/trainstream-bench-models  # the checkpoints saved for Unsloth (~16 GB a shape)
     done < "$0/tables"; echo finished >> "$0/progress.log"' "$RUN" < /dev/null > /dev/null 2>&1 &
