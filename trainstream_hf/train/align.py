@@ -180,6 +180,10 @@ class Progress(TrainerCallback):
         self.bar = None
         self._engine = None
         self._t0 = 0.0
+        # CUDA peaks over the training steps alone (reset at the first step's start, read at each step's end): the
+        # model's loading (a bf16 load quantized on the device peaks far above training) is not the run's peak,
+        # and the engine resets the counters at each of its steps, so the last reading alone would be one step's.
+        self.train_peak: dict | None = None
 
     @classmethod
     def attach(cls, trainer, desc: str, shown: dict[str, str]) -> "Progress":
@@ -221,11 +225,19 @@ class Progress(TrainerCallback):
         self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.train_peak is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+            self.train_peak = {"kind": "cuda max_memory_allocated over the training steps", "bytes": 0,
+                               "reserved_bytes": 0}
         self._t0 = time.perf_counter()
         self._gen = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds.append(time.perf_counter() - self._t0)
+        if self.train_peak is not None:
+            self.train_peak["bytes"] = max(self.train_peak["bytes"], torch.cuda.max_memory_allocated())
+            self.train_peak["reserved_bytes"] = max(self.train_peak["reserved_bytes"],
+                                                    torch.cuda.max_memory_reserved())
         self.generation_seconds.append(self._gen)
         # The engine's step is the optimizer step (reference pass, generation, forward, backward): it closed
         # when step() returned, just before this event.
@@ -313,6 +325,7 @@ def summary(run: Run, recipe: str, model, counts: dict, progress: Progress, log_
                    # TRL counts the tokens of the sequences it trained on (num_tokens, logged cumulatively)
                    "tokens_per_second": tokens[-1] / train_seconds if tokens else None,
                    "wall_seconds": time.perf_counter() - run.started},
-        "peak_memory": report.peak_memory(run.device),
+        # the training steps' peak on CUDA (both trainers alike); the whole process's elsewhere
+        "peak_memory": progress.train_peak or report.peak_memory(run.device),
         "trainstream": progress.engine(),
     }
