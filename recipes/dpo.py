@@ -33,7 +33,10 @@ LOGGED = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "re
 def main(argv: list[str] | None = None) -> dict:
     run = align.setup("dpo", DPOConfig, with_default_config(argv, DEMO, "recipes/dpo.py"), __doc__)
     cfg, tok, dc = run.cfg, run.tokenizer, run.cfg.dpo
-    pairs = data.preference_pairs(data.load_examples(cfg.data.train_file), dc.corruptions, seed=cfg.seed)
+    examples = data.load_examples(cfg.data.train_file)
+    pairs = data.preference_pairs(examples, dc.corruptions, seed=cfg.seed)
+    if dc.fill_context:  # every pair at ~data.max_length tokens, for both trainers alike
+        pairs = data.fill_context(pairs, examples, tok, cfg.data.max_length)
     chosen, rejected = data.tokenize_pairs(pairs, tok, cfg.data.max_length)  # too long: an error now, not a cut
     if cfg.eval.enabled:
         test = data.load_examples(cfg.data.test_file, option="data.test_file", limit=cfg.eval.examples)

@@ -57,7 +57,7 @@ for s in "$@"; do case $s in
       done ;;
   engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_cpu,ts_full_inbwd \
       --full-shape llama3.2-3b --warmup 2 --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
-  cache) run 300 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;
+  cache) run 580 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;  # ~4-6 min: 10 rows x 3 repeats of generate()
   longest) run 500 longest $B table --longest --shape llama3.1-8b --peers ts_nf4 --seq 65536 --granularity 32768 \
       --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;
   align_8b) for r in grpo dpo; do for t in trainstream trl_bnb; do

@@ -571,3 +571,46 @@ def test_host_bytes_follow_each_parameters_dtype_and_placement():
     assert paged.host_bytes() == paged.paged_bytes() + 16 * paged.offload_numel - 2 * in_blocks
     approx = _plan(model, page_weights=True, optimizer_moments="bfloat16", **kw)
     assert paged.host_bytes() - approx.host_bytes() == 4 * paged.offload_numel
+
+
+# -- gradient accumulation ----------------------------------------------------------------------------------
+def test_accumulation_puts_the_held_gradients_beside_the_forward():
+    """From the second micro-batch on, each forward runs beside the gradients kept until step(): all of them with
+    device gradients, only the device-stepped ones with host gradients (the rest left during backward)."""
+    model = _llama()
+    kw = dict(offload_optimizer=True, min_offload_numel=2000)
+    for grads in ("device", "host"):
+        one, two = _plan(model, grads=grads, **kw), _plan(model, grads=grads, accumulation=2, **kw)
+        assert (one.grads, two.grads) == (grads, grads)
+        forward_one, forward_two = one._moments()[0], two._moments()[0]
+        assert forward_two - forward_one == two.held_grad_bytes() > 0
+        assert one._moments()[1:] == two._moments()[1:]  # backward already counted every held gradient
+    dev, host = _plan(model, grads="device", **kw), _plan(model, grads="host", **kw)
+    assert dev.held_grad_bytes() == dev.grad_bytes  # every gradient stays until step()
+    assert host.held_grad_bytes() == host.grad_bytes - host.inflight_grad_bytes < dev.held_grad_bytes()
+    assert "2 micro-batches per step" in str(_plan(model, accumulation=2, **kw)).splitlines()[0]
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        _plan(model, accumulation=0)
+
+
+def test_accumulation_the_plan_would_not_fit_moves_the_gradients_to_the_host():
+    """A budget where device gradients fit one micro-batch but not a second forward beside them: the plan made for
+    accumulation sends the offloaded gradients to the host during backward instead."""
+    model = _llama()
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, offload_activations=False, page_weights=False, margin=0)
+    one = _plan(model, **kw)
+    assert one.grads == "device"
+    budget = one.predicted_peak() + one.grad_bytes // 2  # one micro-batch per step fits, not two with all gradients
+    assert _plan(model, vram_budget=budget, **kw).grads == "device"
+    two = _plan(model, vram_budget=budget, accumulation=2, **kw)
+    assert two.grads == "host" and two.fits()
+
+
+def test_accumulation_counts_the_fp32_accumulator_of_bf16_host_gradients():
+    model = _llama(dtype=torch.bfloat16)
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, optimizer_resident=False, optimizer_streamed=False,
+              grads="host")
+    one, two = _plan(model, **kw), _plan(model, accumulation=2, **kw)
+    assert two.host_bytes() - one.host_bytes() == 4 * one.offload_numel
+    dev = dict(kw, grads="device")
+    assert _plan(model, accumulation=2, **dev).host_bytes() == _plan(model, **dev).host_bytes()

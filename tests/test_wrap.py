@@ -551,3 +551,37 @@ def test_long_sequences_offload_checkpoint_inputs_before_paging():
     assert kinds[0] == "recompute_host" and kinds[-1] == "recompute" and set(kinds) == {"recompute", "recompute_host"}
     assert pl.host_bytes() == inp * kinds.count("recompute_host")
     assert pl.pcie_bytes() == 2 * inp * kinds.count("recompute_host")
+
+
+def test_accumulation_beyond_the_plan_warns_and_a_planned_one_does_not():
+    """A step of 2 micro-batches under a plan made for 1, whose budget cannot hold the second forward beside every
+    device gradient: one warning naming gradient_accumulation_steps; planned with it, the plan sends the gradients
+    to the host instead and nothing warns."""
+    import warnings
+
+    kw = dict(offload_optimizer=True, min_offload_numel=0, offload_activations=False, page_weights=False,
+              host_arena=None, overlap_step=False)
+    one = ts.plan(_llama(), (2, 16), vram_budget="64GiB", grads="device", **kw)
+    budget = one.predicted_peak() + one.margin + one.grad_bytes // 2
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), vram_budget=budget, grads="device",
+                         batch_shape=(2, 16), **kw)
+    with pytest.warns(RuntimeWarning, match="gradient_accumulation_steps") as caught:
+        _train(model, opt, 2, accum=2)
+    assert sum("micro-batches" in str(w.message) for w in caught) == 1  # once per engine
+    ts.unwrap(model)
+    model = _llama()
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), vram_budget=budget,
+                         batch_shape=(2, 16), gradient_accumulation_steps=2, **kw)
+    assert ts.engine_of(model).plan.grads == "host"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _train(model, opt, 2, accum=2)
+    ts.unwrap(model)
+
+
+def test_gradient_accumulation_steps_is_checked():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        ts.TrainStreamConfig(gradient_accumulation_steps=0)
+    with pytest.raises(ValueError, match="optimizer_in_backward"):
+        ts.TrainStreamConfig(gradient_accumulation_steps=2, optimizer_in_backward=True)

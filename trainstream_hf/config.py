@@ -92,13 +92,19 @@ class TrainStreamConfig:
         "help": "Block weights in host RAM, streamed into device slots ahead of use: 'auto', True or False."})
     expandable_segments: str | bool = field(default="auto", metadata={
         "help": "Switch the CUDA caching allocator to expandable segments (process-wide, for segments allocated "
-                "after wrap) so fragmentation cannot eat the plan's margin: 'auto' (when the plan pages weights and "
-                "PYTORCH_CUDA_ALLOC_CONF does not set it), True or False (never touch the allocator)."})
+                "after wrap) so fragmentation cannot eat the plan's margin: 'auto' (when the plan pages weights or "
+                "steps optimizer state on the device, and PYTORCH_CUDA_ALLOC_CONF does not set it), True or False "
+                "(never touch the allocator)."})
     slots: int = field(default=2, metadata={"help": "Device slots of the weight ring (>= 1)."})
     prefetch: int = field(default=1, metadata={"help": "Blocks copied ahead into the ring (< slots)."})
     batch_shape: tuple | None = field(default=None, metadata={
         "help": "(batch, sequence length) of one micro-batch, for the plan's activation estimate; default "
                 "(1, min(2048, max_position_embeddings))."})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "help": "Micro-batches per optimizer step, for the plan: from the second on, each forward runs beside the "
+                "gradients the earlier ones left on the device until step(). The Trainer integration takes the "
+                "Trainer's own; with plain wrap() pass it (a step with more micro-batches than planned warns when "
+                "the plan would not fit them)."})
     min_offload_numel: int = field(default=1 << 20, metadata={
         "help": "Trainable parameters smaller than this (LoRA adapters, norms) keep their optimizer and "
                 "their weights on the device."})
@@ -190,6 +196,14 @@ class TrainStreamConfig:
             raise ValueError("host_arena_slab: slabs smaller than 2 MiB defeat the point of slabs")
         if self.peer not in ("auto", True, False):
             raise ValueError(f"peer: 'auto', True or False, got {self.peer!r}")
+        if isinstance(self.gradient_accumulation_steps, bool) or not isinstance(self.gradient_accumulation_steps, int) \
+                or self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps: an int >= 1 (micro-batches per optimizer step), got "
+                             f"{self.gradient_accumulation_steps!r}")
+        if self.optimizer_in_backward and self.gradient_accumulation_steps > 1:
+            raise ValueError(f"optimizer_in_backward=True applies each update from its gradient in backward, so a step "
+                             f"cannot accumulate {self.gradient_accumulation_steps} micro-batches: set "
+                             "gradient_accumulation_steps=1 or turn optimizer_in_backward off")
         for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute",
                      "data_parallel", "expandable_segments", "elide_casts", "fused_loss", "tiled_mlp"):
             if getattr(self, name) not in ("auto", True, False):

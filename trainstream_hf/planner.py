@@ -120,6 +120,10 @@ class Plan:
     prefetch: int = 0
     fixed_bytes: int = 0          # non-block weights + device optimizer state: held for the whole step
     grad_bytes: int = 0           # gradients on the device at the end of backward
+    # of grad_bytes, the host-gradient mode's allowance for gradients in flight to the host (one block's, or one
+    # large non-block tensor's); the rest stay on the device until step(), across the micro-batches of a step
+    inflight_grad_bytes: int = 0
+    accumulation: int = 1         # micro-batches per optimizer step (gradient accumulation)
     logits_bytes: int = 0
     margin: int = DEFAULT_MARGIN
     pcie_bps: float = DEFAULT_PCIE_BPS
@@ -179,6 +183,8 @@ class Plan:
         # Forward: kept blocks come last; an offloaded block's activations are on the device while it computes
         # and while its copy runs (the plan spaces offloaded blocks so one copy is in flight at a time).
         forward = max(kept + rc_inputs + self.forward_backlog(), rc_inputs + 2 * one_host) + self.logits_bytes
+        if self.accumulation > 1:  # from the second micro-batch on, the gradients held until step() are there too
+            forward += self.held_grad_bytes()
         # Backward, block i: what lower blocks still hold, block i's own activations (recomputed or fetched),
         # block i-1's when offloaded (always fetched one block ahead; deeper prefetch stays within this bound),
         # and the gradients so far (bounded by all of them). The logits are gone by then.
@@ -205,6 +211,11 @@ class Plan:
         paged = [b.host_weight_bytes() for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
         return self.fixed_bytes + resident_w + slot_bytes + max(self._moments())
+
+    def held_grad_bytes(self) -> int:
+        """Device bytes of the gradients that stay until ``step()``: all of them in device mode; in host mode, those of
+        the parameters stepped on the device (its optimizer's, and the optimizer's device share)."""
+        return self.grad_bytes - self.inflight_grad_bytes
 
     def activation_prefetch(self) -> Prefetch:
         """How far ahead backward may fetch offloaded activations without passing the predicted peak."""
@@ -262,7 +273,8 @@ class Plan:
                  f"({self.offload_numel / 1e6:.1f} M) offloaded"
                  + (f" (stepped on the device: {self.resident_numel / 1e6:.1f} M resident, "
                     f"{self.streamed_numel / 1e6:.1f} M streamed)" if self.resident_numel or self.streamed_numel
-                    else ""),
+                    else "")
+                 + (f", {self.accumulation} micro-batches per step" if self.accumulation > 1 else ""),
                  "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |",
                  "|---|---|---|---|---|---|---|"]
         for b in self.blocks:
@@ -633,7 +645,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0,
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
          device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None,
-         optimizer_moments: str = "float32") -> Plan:
+         optimizer_moments: str = "float32", accumulation: int = 1) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -673,6 +685,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         device_chunk_numel: elements per chunk of the streamed ring (3 chunks of 12 bytes an element).
         optimizer_moments: ``"float32"`` or ``"bfloat16"`` (the CPU share's moments, half the bytes; no device share
             then: its kernel takes float32).
+        accumulation: micro-batches per optimizer step. From the second on, each forward runs beside the gradients
+            held until ``step()`` (all of them with device gradients), and a bf16 parameter's host gradient gets its
+            fp32 accumulator.
         host_budget: host RAM the plan may fill (None: unlimited). When offloaded activations would pass it (long
             sequences), blocks that can be recomputed keep only their input in host RAM (``recompute_host``), first
             block first, as long as the device still fits.
@@ -725,9 +740,11 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     def nbytes(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
 
+    if int(accumulation) < 1:
+        raise ValueError(f"gradient_accumulation_steps: at least 1 micro-batch per optimizer step, got {accumulation!r}")
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel, forward_seconds=forward_seconds,
-              moment_bytes=2 if optimizer_moments == "bfloat16" else 4)
+              moment_bytes=2 if optimizer_moments == "bfloat16" else 4, accumulation=int(accumulation))
 
     def settle(offload_opt: bool, grads_host: bool, only: list[tuple[str, nn.Parameter]] | None = None) -> None:
         """Optimizer state of every big trainable parameter (``only``: of these) on the host, or of none."""
@@ -746,7 +763,10 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             per_block = max((nbytes(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
             nonblock_big = max((p.numel() * p.element_size() for p in off_params if id(p) not in block_ids),
                                default=0)
-            grads_b += max(per_block, nonblock_big) if grads_host else nbytes(off_params)
+            pl.inflight_grad_bytes = max(per_block, nonblock_big) if grads_host else 0
+            grads_b += pl.inflight_grad_bytes if grads_host else nbytes(off_params)
+        else:
+            pl.inflight_grad_bytes = 0
         pl.grad_bytes = grads_b
 
     choices_opt = [False, True] if offload_optimizer == "auto" else [bool(offload_optimizer)]
@@ -871,6 +891,8 @@ def _optimizer_host_bytes(pl: Plan, by_name: dict, paged_ids: set) -> int:
         total += n * (4 + 2 * pl.moment_bytes)
         if pl.grads == "host":
             total += n * (2 if p.dtype == torch.bfloat16 else 4)
+            if pl.accumulation > 1 and p.dtype == torch.bfloat16:
+                total += 4 * n  # the fp32 accumulator of the second and later terms
         else:
             total += n * p.element_size()
         if id(p) not in paged_ids and p.dtype != torch.float32:

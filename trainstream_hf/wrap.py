@@ -110,6 +110,8 @@ class Engine:
         self.timeline = None
         self._t0: float | None = None
         self._step_hook = None
+        self._micro = 0  # training (grad-enabled) forwards in the current step
+        self._accum_warned = False
         self._last: dict = {}
         self._counted: dict[str, dict] = {}  # the parts' cumulative counters at the end of the last step
         self._gc: GcPauses | None = None
@@ -137,15 +139,39 @@ class Engine:
     def _begin_step(self) -> None:
         now = time.perf_counter()
         if self._t0 is not None:
-            if self._step_hook is not None:
-                return  # the window is the optimizer step: further micro-batches belong to it
+            if self._step_hook is not None:  # the window is the optimizer step: further micro-batches belong to it
+                if torch.is_grad_enabled():
+                    self._micro += 1
+                    self._check_accumulation()
+                return
             self._close_step(now)
         self._t0 = now
+        self._micro = int(torch.is_grad_enabled())  # training forwards in this step (not generation or scoring)
         self._gc.take()
         if self.streams.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.streams.device)
         if self.timeline is not None:
             self.timeline.start_step()
+
+    def _check_accumulation(self) -> None:
+        """Warns once when a step runs more micro-batches than the plan was made for and the plan, counting the
+        gradients held beside the later forwards, would not fit them."""
+        pl = self.plan
+        if self._accum_warned or pl is None or self._micro <= pl.accumulation:
+            return
+        planned = pl.accumulation
+        pl.accumulation = self._micro
+        try:
+            fits, peak, held = pl.fits(), pl.predicted_peak(), pl.held_grad_bytes()
+        finally:
+            pl.accumulation = planned
+        if not fits:
+            self._accum_warned = True
+            warnings.warn(f"trainstream_hf: this optimizer step runs {self._micro} micro-batches but the plan was made "
+                          f"for {planned}; each forward after the first runs beside {held / 2**30:.2f} GiB of held "
+                          f"gradients, {peak / 2**30:.2f} GiB predicted against a {pl.budget / 2**30:.2f} GiB budget, "
+                          "and may run out of device memory: pass gradient_accumulation_steps to wrap() (the "
+                          "Trainer integration passes the Trainer's)", RuntimeWarning, stacklevel=2)
 
     def _end_step(self) -> None:
         if self._t0 is not None:
@@ -540,7 +566,8 @@ def _make_plan(s: _Setup) -> planner.Plan:
             input_bytes=None if m is None else m.input_bytes,
             forward_seconds=None if m is None else m.forward_seconds, head_bytes=head,
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
-            cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments)
+            cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments,
+            accumulation=config.gradient_accumulation_steps)
 
     pl = make_plan(None if m is None else m.activation_bytes)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \
@@ -592,8 +619,11 @@ def _allocate(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextl
                          "pageable_fallback=True")
     engine.hooks = hooks = BlockHooks(blocks)
     undo.callback(hooks.remove)
-    engine.expandable_segments = (wants_expandable_segments(config.expandable_segments, device,
-                                                            bool(pl.paged_blocks)) and enable_expandable_segments())
+    # A plan that pages weights or steps optimizer state on the device fills the budget to its margin by design:
+    # fixed-size segments could lose that margin to fragmentation (engine/allocator.py).
+    fills = bool(pl.paged_blocks) or bool(pl.resident_numel or pl.streamed_numel)
+    engine.expandable_segments = (wants_expandable_segments(config.expandable_segments, device, fills)
+                                  and enable_expandable_segments())
     # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the device
     # optimizer (planner.pages_param): paging them would save little and put them on the CPU optimizer.
     paged_filter = planner.page_filter(pl.min_offload_numel)

@@ -48,7 +48,10 @@ def test_a_failing_row_is_a_result_and_the_others_run(monkeypatch):
         return real(row, *a, **kw)
 
     monkeypatch.setattr(cache, "measure_row", flaky)
-    payload, md = cache.run(quick=True, repeats=1, rows=["dynamic", "ts_0.5", "ts_0.0"])
+    partial = []
+    payload, md = cache.run(quick=True, repeats=1, rows=["dynamic", "ts_0.5", "ts_0.0"], on_row=partial.append)
     rows = {r["row"]: r for r in payload["results"]}
     assert rows["ts_0.5"]["status"] == "error: RuntimeError: copy engine on fire"
     assert rows["dynamic"]["status"] == "ok" and rows["ts_0.0"]["status"] == "ok"
+    # the payload so far after each setting (one in a quick run), for a JSON that a cut run still leaves behind
+    assert len(partial) == 1 and [r["row"] for r in partial[0]["results"]] == ["dynamic", "ts_0.5", "ts_0.0"]

@@ -64,11 +64,19 @@ def test_the_readme_table_is_the_committed_json_rendered():
 def test_longest_fitting_doubles_then_bisects(fit_up_to):
     best, probes = table.longest_fitting(lambda n: n <= fit_up_to, 1024, 262144, granularity=1024)
     if fit_up_to < 1024:
-        assert best is None and probes == [(1024, False)]
+        assert best is None and probes == [(1024, False)]  # nothing below the granularity is tried
         return
     want = min(fit_up_to, 262144) // 1024 * 1024
     assert best == want and all(ok == (n <= fit_up_to) for n, ok in probes)
     assert len(probes) <= 2 * 10  # doublings plus bisection steps, not a scan
+
+
+@pytest.mark.parametrize("fit_up_to", [40000, 32768, 3000, 1024, 500])
+def test_longest_fitting_halves_when_the_start_does_not_fit(fit_up_to):
+    best, probes = table.longest_fitting(lambda n: n <= fit_up_to, 65536, 262144, granularity=1024)
+    assert probes[0] == (65536, False) and all(ok == (n <= fit_up_to) for n, ok in probes)
+    assert best == (None if fit_up_to < 1024 else fit_up_to // 1024 * 1024)
+    assert len(probes) <= 2 * 10
 
 
 def test_longest_runs_each_probe_in_a_child():

@@ -143,6 +143,18 @@ def test_engine_installed_when_the_optimizer_is_created(tmp_path):
     opt = trainer.create_optimizer()
     assert ts.engine_of(model) is not None and type(opt).__name__ == "OffloadedAdamW" and trainer.optimizer is opt
     assert trainer.create_optimizer() is opt  # a second call (a second train()) installs nothing more
+    assert ts.engine_of(model).plan.accumulation == 1
+    ts.unwrap(model)
+
+
+def test_the_plan_takes_the_trainers_gradient_accumulation(tmp_path):
+    model = _model()
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",
+                                        trainstream_offload_optimizer="true", trainstream_min_offload_numel=0,
+                                        **{**COMMON, "gradient_accumulation_steps": 3})
+    TrainStreamTrainer(model=model, args=args, train_dataset=_data()).create_optimizer()
+    plan = ts.engine_of(model).plan
+    assert plan.accumulation == 3 and "3 micro-batches per step" in str(plan)
     ts.unwrap(model)
 
 

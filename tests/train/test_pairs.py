@@ -100,3 +100,22 @@ def test_prompts_with_answers_and_their_lengths():
     with pytest.raises(ConfigError, match=rf"data\.max_length: prompt \d+ has {longest} tokens, plus "
                                           rf"grpo\.max_completion_length=8 is {longest + 8} > 16"):
         data.check_prompt_lengths(ds["prompt"], tok, 8, 16)
+
+
+def test_fill_context_brings_every_pair_to_the_length_it_allows():
+    """Solved examples ahead of each prompt: the longer sequence of each pair within max_length and no more than
+    one example's line short of it; the completions and the pair's own prompt unchanged at the end."""
+    tok = data.load_tokenizer(str(ROOT / "data" / "tokenizer"))
+    examples = data.load_examples(str(ROOT / "data" / "train.jsonl"), limit=60)
+    pairs = data.preference_pairs(examples, list(CORRUPTIONS), seed=0)
+    filled = data.fill_context(pairs, examples, tok, 256)
+    assert len(filled) == len(pairs)
+    chosen, rejected = data.tokenize_pairs(filled, tok, 256)  # raises if any were longer
+    line = max(len(ids) for ids in tok([f"{p}{c}\n" for p, c in zip(examples["prompt"], examples["completion"])],
+                                       add_special_tokens=False)["input_ids"])
+    for a, b, before, after in zip(chosen, rejected, pairs, filled):
+        assert 256 - line - 2 <= max(len(a["input_ids"]), len(b["input_ids"])) <= 256
+        assert after["prompt"].endswith(before["prompt"]) and after["prompt"] != before["prompt"]
+        assert (after["chosen"], after["rejected"]) == (before["chosen"], before["rejected"])
+    with pytest.raises(ConfigError, match="data.max_length"):
+        data.fill_context(pairs, examples, tok, 4)

@@ -123,7 +123,7 @@ def main(argv=None) -> None:
         if args.seq or args.new_tokens or args.batch != 1:
             settings = ((args.batch, args.seq or 2048, args.new_tokens or 128),)
         payload, md = cache.run(shape=args.shape, settings=settings, repeats=args.repeats or 3, quick=args.quick,
-                                rows=args.peers.split(",") if args.peers else None)
+                                rows=args.peers.split(",") if args.peers else None, on_row=on_row)
     elif args.suite == "host":
         from trainstream_hf.bench import host
         payload, md = host.run(quick=args.quick, rows=args.peers.split(",") if args.peers else None)

@@ -17,8 +17,9 @@ step over that floor. ``same_tokens`` is the fraction of generated tokens equal 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -105,9 +106,11 @@ def _guarded_row(row: str, model, ids, new: int, repeats: int) -> dict:
 
 
 def run(*, shape: Optional[str] = None, settings=None, rows: Optional[list[str]] = None, repeats: int = 3,
-        quick: bool = False, device: Optional[torch.device] = None) -> tuple[dict, str]:
+        quick: bool = False, device: Optional[torch.device] = None,
+        on_row: Optional[Callable[[dict], None]] = None) -> tuple[dict, str]:
     """Every row of :data:`ROWS` (or ``rows``) for each ``(batch, prompt, new)`` of ``settings``; returns (payload,
-    markdown).
+    markdown). Each row's line goes to stderr as it ends, and ``on_row`` gets the payload so far after each setting
+    (a run stopped part way keeps what it measured).
 
     Raises:
         ValueError: an unknown row name.
@@ -129,9 +132,16 @@ def run(*, shape: Optional[str] = None, settings=None, rows: Optional[list[str]]
         for batch, prompt, new in settings:
             ids = torch.randint(0, model.config.vocab_size, (batch, prompt),
                                 generator=torch.Generator().manual_seed(1)).to(device)
-            measured = [{"row": r, "status": "not run: transformers' offloading copies on CUDA streams"}
-                        if r == "dynamic_offloaded" and device.type != "cuda" else
-                        _guarded_row(r, model, ids, new, repeats) for r in rows]
+            measured = []
+            for r in rows:
+                t0 = time.perf_counter()
+                measured.append({"row": r, "status": "not run: transformers' offloading copies on CUDA streams"}
+                                if r == "dynamic_offloaded" and device.type != "cuda" else
+                                _guarded_row(r, model, ids, new, repeats))
+                m = measured[-1]
+                print(f"[cache] {batch} x {prompt}, {new} new: {r} {m['status']}"
+                      + (f", {m['tokens_per_s']:.0f} tokens/s" if m["status"] == "ok" else "")
+                      + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             ref = next((m for m in measured if m["row"] == "dynamic"), None)
             ref_tokens = None if ref is None else ref["tokens"]
             mean_ctx = prompt + new // 2
@@ -151,10 +161,16 @@ def run(*, shape: Optional[str] = None, settings=None, rows: Optional[list[str]]
                 m["tokens"] = m["tokens"].tolist() if quick else None  # the tokens themselves only in a quick run
                 results.append(m)
             free_memory()
+            if on_row is not None:
+                on_row(_payload(shape, settings, repeats, bandwidth, results))
     finally:
         del model
         free_memory()
-    payload = {"suite": "cache", "shape": shape, "settings": [list(s) for s in settings], "repeats": repeats,
-               "pinned_bandwidth": bandwidth, "results": results}
+    payload = _payload(shape, settings, repeats, bandwidth, results)
     title = f"generate() with each KV cache, {shape}, greedy, random weights ({device.type})"
     return payload, f"{title}\n\n{markdown_table(results, COLUMNS)}"
+
+
+def _payload(shape, settings, repeats: int, bandwidth: dict, results: list) -> dict:
+    return {"suite": "cache", "shape": shape, "settings": [list(x) for x in settings], "repeats": repeats,
+            "pinned_bandwidth": bandwidth, "results": list(results)}

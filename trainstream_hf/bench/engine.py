@@ -24,8 +24,8 @@ def _engine_fields(model, fields: dict) -> None:
                   offloaded_activation_blocks=len(pl.offloaded_activation_blocks), grads=pl.grads,
                   offloaded_optimizer_params=pl.offload_numel, resident_optimizer_params=pl.resident_numel,
                   streamed_optimizer_params=pl.streamed_numel, plan_step_floor=pl.predicted_step_floor(),
-                  plan_pcie_bytes=pl.pcie_bytes(),
-                  plan=str(pl).splitlines()[0])
+                  plan_pcie_bytes=pl.pcie_bytes(), plan_host_bytes=pl.host_bytes(),
+                  plan_recomputed_blocks=len(pl.recomputed_blocks), plan=str(pl).splitlines()[0])
 
 
 def _with_stats(model, step, fields: dict):
@@ -44,7 +44,7 @@ def _measure_wrapped(name: str, fields: dict, run_device, build, *, shape: str, 
     def setup():
         model, opt = build()
         model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq),
-                             **wrap_options)
+                             gradient_accumulation_steps=accum, **wrap_options)
         _engine_fields(model, fields)
         return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, run_device, seed),
                                               accum=accum), fields), lambda: ts.unwrap(model)

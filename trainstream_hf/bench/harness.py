@@ -198,8 +198,8 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
 
     Returns:
         ``{"name", **fields, "step_s", "tokens_per_s", "max_allocated", "max_reserved", "vram_budget",
-        "status", "setup_s"}``; ``status`` is ``"ok"`` or ``"oom"`` (which adds ``error`` and reports the
-        peak reached so far).
+        "status", "setup_s"}``; ``status`` is ``"ok"``, ``"oom"`` or ``"host memory"`` (the host arena could not
+        grow: ``HostMemoryError``), the last two adding ``error`` and the device peak reached so far.
     """
     out = {"step_s": None, "tokens_per_s": None, "max_allocated": None, "max_reserved": None,
            "vram_budget": vram_budget, "status": "ok"}
@@ -233,10 +233,12 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
                     trace = os.path.join(PROFILE_TRACES, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
                                          + ".json.gz")
                 out["profile"] = profile_steps(raw_step, device, PROFILE_STEPS, trace=trace)
-    except Exception as err:  # noqa: BLE001 - an OOM is a result; anything else propagates
-        if not is_oom(err):
+    except Exception as err:  # noqa: BLE001 - an OOM (device or host) is a result; anything else propagates
+        from trainstream_hf.engine.arena import HostMemoryError
+
+        if not (is_oom(err) or isinstance(err, HostMemoryError)):
             raise
-        out["status"] = "oom"
+        out["status"] = "oom" if is_oom(err) else "host memory"
         out["error"] = str(err).splitlines()[0][:300]
     finally:
         if cuda:

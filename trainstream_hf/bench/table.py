@@ -181,12 +181,14 @@ def run(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None, batch: 
 
 def longest_fitting(fits: Callable[[int], bool], start: int, limit: int, granularity: int = 1024
                     ) -> tuple[int | None, list[tuple[int, bool]]]:
-    """The longest sequence length in ``[start, limit]`` that ``fits``: doubling from ``start`` until a length does
-    not fit (or ``limit``), then bisecting between the last that fit and the first that did not, down to
-    ``granularity`` tokens (lengths stay multiples of it).
+    """The longest sequence length up to ``limit`` that ``fits``: doubling from ``start`` until a length does not
+    fit (or ``limit``), then bisecting between the last that fit and the first that did not, down to
+    ``granularity`` tokens (lengths stay multiples of it). When ``start`` does not fit, halving from it until a
+    length does, then bisecting the same way.
 
     Returns:
-        (the longest length that fit, or None when ``start`` did not; every probe as ``(length, fitted)``).
+        (the longest length that fit, or None when not even ``granularity`` tokens did; every probe as
+        ``(length, fitted)``).
     """
     probes: list[tuple[int, bool]] = []
 
@@ -195,25 +197,32 @@ def longest_fitting(fits: Callable[[int], bool], start: int, limit: int, granula
         probes.append((n, ok))
         return ok
 
-    if not probe(start):
-        return None, probes
+    def bisect(good: int, bad: int) -> int:
+        while bad - good > granularity:
+            mid = (good + bad) // 2 // granularity * granularity
+            if mid <= good:
+                break
+            if probe(mid):
+                good = mid
+            else:
+                bad = mid
+        return good
+
+    if not probe(start):  # halve down to the granularity for one that fits, then bisect above it
+        bad, n = start, start
+        while True:
+            n = n // 2 // granularity * granularity
+            if n < granularity:
+                return None, probes
+            if probe(n):
+                return bisect(n, bad), probes
+            bad = n
     good, n = start, start
-    while True:
-        if n >= limit:
-            return good, probes
+    while n < limit:
         n = min(2 * n, limit)
         if not probe(n):
-            bad = n
-            break
+            return bisect(good, n), probes
         good = n
-    while bad - good > granularity:
-        mid = (good + bad) // 2 // granularity * granularity
-        if mid <= good:
-            break
-        if probe(mid):
-            good = mid
-        else:
-            bad = mid
     return good, probes
 
 
@@ -242,7 +251,10 @@ def run_longest(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None,
         status = "ok" if best is not None else first.get("status", "?")
         payload["results"].append({"row": row, "label": ROWS[row][0], "status": status, "longest_seq": best,
                                    "tokens_per_s": at.get("tokens_per_s"), "max_reserved": at.get("max_reserved"),
-                                   "probes": probes, "statuses": {n: r.get("status") for n, r in seen.items()}})
+                                   "probes": probes, "statuses": {n: r.get("status") for n, r in seen.items()},
+                                   # what each probe's plan decided (with its host bytes), and how a failed one failed
+                                   "plans": {n: {k: r[k] for k in ("plan", "plan_host_bytes", "predicted_peak",
+                                                                   "error") if k in r} for n, r in seen.items()}})
         if on_row is not None:
             on_row(payload)
     shown = [{"row": r["label"], "status": r["status"], "longest_seq": r["longest_seq"],

@@ -1,4 +1,5 @@
-"""The CUDA caching allocator's expandable segments, for plans that page weights.
+"""The CUDA caching allocator's expandable segments, for plans that fill the budget (paged weights, or optimizer
+state stepped on the device).
 
 A paged plan fills the budget to within its margin, and the caching allocator's fixed-size segments can hold
 gigabytes free but split between live blocks: the 32B LoRA at 24 GiB (H200, 19b40ff, 2026-12-04:
@@ -6,8 +7,9 @@ benchmarks/results/engine-paged-h200-19b40ff.json, benchmarks/NOTES.md) ran out 
 and 2.2 GiB reserved but free, asking for 594 MiB. Expandable segments map physical pages into one growing virtual
 range per stream, so freed pages are reused for any size: fragmentation stops costing device memory. The setting
 applies to segments created after it, process-wide; it cannot be undone for those, so wrap() turns it on only when
-the plan pages weights (``expandable_segments="auto"``) and the user has not chosen a setting in
-``PYTORCH_CUDA_ALLOC_CONF``.
+the plan fills the budget by design (``expandable_segments="auto"``: paged weights, or the optimizer's device share,
+whose 3B full fine-tune at 24 GiB ran out of memory with 3.2 GiB reserved but free: H200, 5cb2cc5,
+engine-full-3b-h200-5cb2cc5.json) and the user has not chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
 """
 from __future__ import annotations
 
@@ -25,15 +27,15 @@ def _user_chose(env: dict | None = None) -> bool:
     return "expandable_segments" in conf
 
 
-def wants_expandable_segments(option, device: torch.device, paged: bool, env: dict | None = None) -> bool:
-    """Whether wrap() should turn expandable segments on: ``option`` True, or ``"auto"`` with paged weights on
-    CUDA and no ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``. False never
-    touches the allocator."""
+def wants_expandable_segments(option, device: torch.device, fills: bool, env: dict | None = None) -> bool:
+    """Whether wrap() should turn expandable segments on: ``option`` True, or ``"auto"`` on CUDA for a plan that
+    fills the budget (``fills``: paged weights or a device share of the optimizer) and no ``expandable_segments``
+    in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``. False never touches the allocator."""
     if option not in ("auto", True, False):
         raise ValueError(f"expandable_segments: 'auto', True or False, got {option!r}")
     if torch.device(device).type != "cuda" or option is False:
         return False
-    return option is True or (paged and not _user_chose(env))
+    return option is True or (fills and not _user_chose(env))
 
 
 def enable_expandable_segments() -> bool:

@@ -168,7 +168,11 @@ class TrainStreamCallback(TrainerCallback):
         shape = self.config.batch_shape or (args.per_device_train_batch_size,
                                              getattr(getattr(model, "config", None), "max_position_embeddings",
                                                      2048) or 2048)
-        cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape)})
+        accumulation = self.config.gradient_accumulation_steps
+        if accumulation == 1:  # the Trainer's micro-batches per optimizer step, unless the config chose its own
+            accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+        cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape),
+                                   "gradient_accumulation_steps": accumulation})
         if cfg.device is None and torch.device(args.device).type != "cpu" and any(
                 p.device != torch.device(args.device) for p in model.parameters()):
             cfg = replace(cfg, device=str(args.device))

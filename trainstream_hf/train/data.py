@@ -24,6 +24,7 @@ import torch
 from trainstream_hf.train.config import ConfigError, MissingFileError
 
 __all__ = ["load_tokenizer", "load_examples", "read_jsonl", "tokenize", "pack", "collate", "batches", "CORRUPT",
+           "fill_context",
            "preference_pairs", "tokenize_pairs", "prompts_with_answers", "check_prompt_lengths"]
 
 IGNORE = -100
@@ -264,6 +265,42 @@ def preference_pairs(examples, corruptions: list[str], *, seed: int, option: str
         if rejected is None:
             kind, rejected = "substitute", _substitute(chosen, rng)
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "corruption": kind})
+    return Dataset.from_list(rows)
+
+
+def fill_context(pairs, examples, tokenizer, max_length: int):
+    """``pairs`` with solved ``examples`` (``prompt + completion``, one per line) put ahead of each prompt, the
+    examples after the pair's own in file order (wrapping around), as many as keep the pair's longer sequence, as
+    :func:`tokenize_pairs` builds it, within ``max_length`` tokens.
+
+    Raises:
+        ConfigError: a pair alone is longer than ``max_length`` tokens, or there are fewer than two examples.
+    """
+    from datasets import Dataset
+
+    lines = [f"{p}{c}\n" for p, c in zip(examples["prompt"], examples["completion"])]
+    if len(lines) < 2:
+        raise ConfigError("dpo.fill_context: needs at least two training examples (one to fill the other's context)")
+    line_tokens = [len(ids) for ids in tokenizer(lines, add_special_tokens=False)["input_ids"]]
+
+    def longer(prompt: str, chosen: str, rejected: str) -> int:
+        p = tokenizer(prompt)["input_ids"]
+        c, r = tokenizer([chosen, rejected], add_special_tokens=False)["input_ids"]
+        return len(p) + max(len(c), len(r)) + 1  # + <eos>
+
+    rows = []
+    for i, row in enumerate(pairs):
+        own = longer(row["prompt"], row["chosen"], row["rejected"])
+        if own > max_length:
+            raise ConfigError(f"data.max_length: pair {i} alone has {own} tokens > {max_length}; raise data.max_length")
+        taken, total, j = [], own, (i + 1) % len(lines)
+        while j != i % len(lines) and total + line_tokens[j] <= max_length:  # an estimate: tokens may merge
+            taken.append(lines[j])
+            total += line_tokens[j]
+            j = (j + 1) % len(lines)
+        while taken and longer("".join(taken) + row["prompt"], row["chosen"], row["rejected"]) > max_length:
+            taken.pop()
+        rows.append({**row, "prompt": "".join(taken) + row["prompt"]})
     return Dataset.from_list(rows)
 
 

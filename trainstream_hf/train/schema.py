@@ -160,6 +160,10 @@ class DPOArgs:
                            "one character.")
     ref_chunk_tokens: int = _opt(1024, "Completion tokens per LM-head chunk when the reference (the model with its "
                                        "adapters off) is scored; bounds that pass's largest tensor.")
+    fill_context: bool = _opt(False, "Put solved training examples (prompt and completion, one per line) ahead of "
+                                     "each pair's prompt until its longer sequence is as close to data.max_length "
+                                     "as they allow: every pair then runs at that length (time and memory per "
+                                     "step at a given sequence length); false: each pair alone.")
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
