@@ -50,6 +50,16 @@ def test_accelerator_installs_engine_and_matches(grads):
     diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
     assert diff < 1e-6
 
+def test_the_plan_takes_accelerates_gradient_accumulation():
+    plugin = TrainStreamPlugin("on", TrainStreamConfig(offload_optimizer=True, min_offload_numel=0,
+                                                       vram_budget="64GiB"))
+    acc = TrainStreamAccelerator(cpu=True, gradient_accumulation_steps=4, trainstream_plugin=plugin)
+    model = _model()
+    acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert ts.engine_of(model).plan.accumulation == 4
+    acc.end_training()
+
+
 def test_plugin_from_env():
     p = TrainStreamPlugin.from_env({"TRAINSTREAM": "on", "TRAINSTREAM_VRAM_BUDGET": "24GiB",
                                     "TRAINSTREAM_OFFLOAD_OPTIMIZER": "true", "TRAINSTREAM_SLOTS": "3",

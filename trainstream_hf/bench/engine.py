@@ -25,6 +25,7 @@ def _engine_fields(model, fields: dict) -> None:
                   offloaded_optimizer_params=pl.offload_numel, resident_optimizer_params=pl.resident_numel,
                   streamed_optimizer_params=pl.streamed_numel, plan_step_floor=pl.predicted_step_floor(),
                   plan_pcie_bytes=pl.pcie_bytes(), plan_host_bytes=pl.host_bytes(),
+                  plan_cpu_adam_pps=pl.cpu_adam_pps, plan_accumulation=pl.accumulation,
                   plan_recomputed_blocks=len(pl.recomputed_blocks), plan=str(pl).splitlines()[0])
 
 

@@ -90,6 +90,9 @@ class TrainStreamAccelerator(Accelerator):
             if config.device is None and placement:
                 # Accelerate's cpu device is "cpu:0", which parameters never report; the engine compares devices.
                 config = replace(config, device="cpu" if self.device.type == "cpu" else str(self.device))
+            if config.gradient_accumulation_steps == 1 and self.gradient_accumulation_steps > 1:
+                # Accelerate's micro-batches per optimizer step, unless the config chose its own
+                config = replace(config, gradient_accumulation_steps=int(self.gradient_accumulation_steps))
             _, new_opt = wrap(model, inner, config)
             if oi is not None and new_opt is not inner:
                 if inner is args[oi]:
