@@ -6,7 +6,7 @@
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 #                                                                   adamw_tests engine_full engine_full_accum
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
-#                                                                   recipe_8b_full engine_full_8b
+#                                                                   recipe_8b_full engine_full_8b micro
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -57,6 +57,7 @@ for s in "$@"; do case $s in
       done ;;
   engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_cpu,ts_full_inbwd \
       --full-shape llama3.2-3b --warmup 2 --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
+  micro) run 180 micro $B micro --out "$OUT" --name "micro-$GPU-$SHA" ;;  # copies, pinning, AdamW, contention
   cache) run 580 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;  # ~4-6 min: 10 rows x 3 repeats of generate()
   longest) run 500 longest $B table --longest --shape llama3.1-8b --peers ts_nf4 --seq 65536 --granularity 32768 \
       --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;

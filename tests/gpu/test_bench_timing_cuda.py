@@ -20,3 +20,12 @@ def test_pipelined_timing_charges_work_carried_into_the_next_step():
     pipelined = median_time(step, repeats=5, warmup=2, cuda=True, pipelined=True)
     synced = median_time(step, repeats=5, warmup=2, cuda=True)
     assert pipelined > 5 * synced
+
+
+def test_contention_row_measures_both_sides():
+    from trainstream_hf.bench.micro import contention
+
+    row = contention(1 << 22, 8 << 20, 3)
+    assert row["adamw_alone_Gps"] > 0 and row["adamw_beside_copies_Gps"] > 0
+    assert row["copies_alone_GBps"] > 1 and row["copies_beside_adamw_GBps"] > 1
+    assert row["adamw_slowdown"] > 0 and row["copies_slowdown"] > 0

@@ -109,6 +109,70 @@ def staging(nbytes: int, threads: int, repeats: int) -> list[dict]:
     return rows
 
 
+def contention(numel: int, chunk_bytes: int, repeats: int) -> dict:
+    """Does the CPU AdamW slow down while pinned copies run both ways, and the copies while it runs? (The plan's
+    split of the offloaded optimizer between the CPU and the PCIe link assumes they do not: both read and write host
+    memory.) AdamW over ``numel`` fp32 parameters with the bf16 copy, all threads, alone and beside H2D + D2H copies
+    of ``chunk_bytes`` pinned chunks issued to last about as long; the copies alone and beside it."""
+    from trainstream_hf import ops
+
+    streams = TransferStreams("cuda")
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    m, v, out16 = torch.zeros(numel), torch.zeros(numel), torch.empty(numel, dtype=torch.bfloat16)
+    host_up = torch.empty(chunk_bytes, dtype=torch.uint8).pin_memory()
+    host_down = torch.empty(chunk_bytes, dtype=torch.uint8).pin_memory()
+    dev_up = torch.empty(chunk_bytes, dtype=torch.uint8, device="cuda")
+    dev_down = torch.empty(chunk_bytes, dtype=torch.uint8, device="cuda")
+    step = [0]
+
+    def adam() -> float:
+        step[0] += 1
+        t0 = time.perf_counter()
+        ops.adamw_step_(p, m, v, grad, lr=1e-3, weight_decay=0.01, step=step[0], param_bf16=out16)
+        return time.perf_counter() - t0
+
+    def copies(n: int):
+        """n chunks each way, queued at once; returns (start, end) events over both streams."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(streams.h2d)
+        streams.d2h.wait_event(start)
+        for _ in range(n):
+            with torch.cuda.stream(streams.h2d):
+                dev_up.copy_(host_up, non_blocking=True)
+            with torch.cuda.stream(streams.d2h):
+                host_down.copy_(dev_down, non_blocking=True)
+        streams.h2d.wait_stream(streams.d2h)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(streams.h2d)
+        return start, end
+
+    adam()  # warm-up
+    alone = sorted(adam() for _ in range(repeats))[repeats // 2]
+    start, end = copies(4)
+    end.synchronize()
+    per_chunk = start.elapsed_time(end) / 1e3 / 4  # seconds per chunk each way, both directions at once
+    n = max(4, int(alone / per_chunk))
+    copy_alone = []
+    for _ in range(repeats):
+        start, end = copies(n)
+        end.synchronize()
+        copy_alone.append(2 * n * chunk_bytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    adam_beside, copy_beside = [], []
+    for _ in range(repeats):
+        start, end = copies(n)
+        adam_beside.append(adam())
+        end.synchronize()
+        copy_beside.append(2 * n * chunk_bytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    mid = repeats // 2
+    row = {"params": numel, "threads": torch.get_num_threads(), "chunk_MiB": chunk_bytes / MiB,
+           "adamw_alone_Gps": numel / alone / 1e9, "adamw_beside_copies_Gps": numel / sorted(adam_beside)[mid] / 1e9,
+           "copies_alone_GBps": sorted(copy_alone)[mid], "copies_beside_adamw_GBps": sorted(copy_beside)[mid]}
+    row["adamw_slowdown"] = row["adamw_alone_Gps"] / row["adamw_beside_copies_Gps"]
+    row["copies_slowdown"] = row["copies_alone_GBps"] / row["copies_beside_adamw_GBps"]
+    return row
+
+
 def run(quick: bool = False) -> tuple[dict, str]:
     """Runs every micro-benchmark; returns (JSON payload, markdown report)."""
     cuda = torch.cuda.is_available() and pinning_supported()
@@ -125,9 +189,14 @@ def run(quick: bool = False) -> tuple[dict, str]:
                                "arena_both", "torch_both", "min_ratio"])]
         payload["pinning"] = pinning_cost(GiB if quick else 4 * GiB)
         md += ["### Pinning cost", markdown_table([payload["pinning"]], list(payload["pinning"]))]
+        payload["contention"] = contention(8 << 20 if quick else 400_000_000, 64 * MiB if quick else 256 * MiB,
+                                           3 if quick else 5)
+        md += ["### CPU AdamW (+bf16) and pinned copies both ways, alone and at once",
+               markdown_table([payload["contention"]], list(payload["contention"]))]
     else:
         payload["copy_bandwidth_GBps"] = "not run: no CUDA device (or CPU build)"
-        md += ["Copy bandwidth and pinning: not run (no CUDA device or CPU build)."]
+        payload["contention"] = "not run: no CUDA device (or CPU build)"
+        md += ["Copy bandwidth, pinning and contention: not run (no CUDA device or CPU build)."]
     numel = 2_000_000 if quick else 50_000_000
     payload["adamw"] = bench_adamw(numel=numel, repeats=repeats)
     md += [f"### CPU AdamW, {numel:,} fp32 params (G params/s; +bf16 = also writes the bf16 copy)",
