@@ -108,6 +108,9 @@ class BlockPlan:
             self.input_bytes if self.activations == "recompute_host" else 0
 
 
+FILLS_BUDGET = 0.9  # a plan predicted (with its margin) at this fraction of its budget or more fills it
+
+
 @dataclass
 class Plan:
     """What wrap() installs. ``str(plan)`` is a readable table."""
@@ -224,6 +227,14 @@ class Plan:
 
     def fits(self) -> bool:
         return self.predicted_peak() + self.margin <= self.budget
+
+    def fills_budget(self) -> bool:
+        """Whether the plan fills its budget: by design when it pages weights or steps optimizer state on the
+        device, or predicted (with its margin) at :data:`FILLS_BUDGET` of it or more (GRPO's alternating
+        generation and training reached a 24 GiB cap in reserved memory at 94% predicted:
+        recipes/grpo-llama3-8b-trainstream-h200-5cb2cc5.json)."""
+        return bool(self.paged_blocks) or bool(self.resident_numel or self.streamed_numel) or \
+            self.predicted_peak() + self.margin >= FILLS_BUDGET * self.budget
 
     def paged_bytes(self) -> int:
         """Host bytes of the paged blocks' weights, as the weight pager lays them out (its ``stats()['paged_bytes']``,

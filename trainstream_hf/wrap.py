@@ -619,10 +619,8 @@ def _allocate(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextl
                          "pageable_fallback=True")
     engine.hooks = hooks = BlockHooks(blocks)
     undo.callback(hooks.remove)
-    # A plan that pages weights or steps optimizer state on the device fills the budget to its margin by design:
-    # fixed-size segments could lose that margin to fragmentation (engine/allocator.py).
-    fills = bool(pl.paged_blocks) or bool(pl.resident_numel or pl.streamed_numel)
-    engine.expandable_segments = (wants_expandable_segments(config.expandable_segments, device, fills)
+    # Fixed-size segments could lose a plan's margin to fragmentation (engine/allocator.py).
+    engine.expandable_segments = (wants_expandable_segments(config.expandable_segments, device, pl.fills_budget())
                                   and enable_expandable_segments())
     # Small trainable parameters (LoRA adapters, norms of a full fine-tune) stay on the device with the device
     # optimizer (planner.pages_param): paging them would save little and put them on the CPU optimizer.

@@ -1,5 +1,4 @@
-"""The CUDA caching allocator's expandable segments, for plans that fill the budget (paged weights, or optimizer
-state stepped on the device).
+"""The CUDA caching allocator's expandable segments, for plans that fill the budget.
 
 A paged plan fills the budget to within its margin, and the caching allocator's fixed-size segments can hold
 gigabytes free but split between live blocks: the 32B LoRA at 24 GiB (H200, 19b40ff, 2026-12-04:
@@ -7,9 +6,10 @@ benchmarks/results/engine-paged-h200-19b40ff.json, benchmarks/NOTES.md) ran out 
 and 2.2 GiB reserved but free, asking for 594 MiB. Expandable segments map physical pages into one growing virtual
 range per stream, so freed pages are reused for any size: fragmentation stops costing device memory. The setting
 applies to segments created after it, process-wide; it cannot be undone for those, so wrap() turns it on only when
-the plan fills the budget by design (``expandable_segments="auto"``: paged weights, or the optimizer's device share,
-whose 3B full fine-tune at 24 GiB ran out of memory with 3.2 GiB reserved but free: H200, 5cb2cc5,
-engine-full-3b-h200-5cb2cc5.json) and the user has not chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
+the plan fills the budget (``expandable_segments="auto"``, ``Plan.fills_budget``: paged weights, the optimizer's
+device share, or a peak predicted within 10% of the budget; the device share's 3B full fine-tune at 24 GiB ran out
+of memory with 3.2 GiB reserved but free: H200, 5cb2cc5, engine-full-3b-h200-5cb2cc5.json) and the user has not
+chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
 """
 from __future__ import annotations
 
