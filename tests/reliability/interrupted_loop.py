@@ -6,6 +6,7 @@ the last catches the interrupt and starts the next one; the last lets it end the
 """
 import collections
 import gc
+import signal
 import sys
 
 import torch
@@ -40,6 +41,14 @@ def train_until_interrupted(k: int) -> None:
 
 
 def main() -> None:
+    # A user's Ctrl-C arrives with Python's default handler, unblocked. A child inherits an ignored SIGINT (then
+    # Python installs no handler) and the blocked-signal mask of the thread that started it: say what came in, then
+    # start as a shell's child would.
+    inherited = (signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    if inherited != (signal.default_int_handler, False):
+        print(f"inherited SIGINT handler {inherited[0]!r}, blocked {inherited[1]}", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     torch.set_num_threads(1)
     rounds = int(sys.argv[1])
     for k in range(rounds - 1):
