@@ -36,8 +36,11 @@ $(EXT): $(VENV)/.ready $(EXT_SOURCES)
 
 build: $(EXT)
 
+# Two pytest workers (pytest-xdist): the suite's processes and threads are its own, so two cores finish it in
+# about three quarters of the time (2026-12-06: 368 s -> 279 s on the 2-core dev machine). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: build $(VENV)/.weights
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) tests
 
 demo: build
 	$(VPY) recipes/sft.py --config configs/sft-tiny-cpu.yaml
