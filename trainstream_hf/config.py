@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["TrainStreamConfig", "parse_bytes"]
+__all__ = ["TrainStreamConfig", "parse_bytes", "runner_accumulation"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -349,3 +349,18 @@ def env_config(environ=None, *, default: str = "off") -> tuple[str, TrainStreamC
                              f"{', '.join('TRAINSTREAM_' + n.upper() for n in names)} (and TRAINSTREAM=auto|on|off)")
         opts[name], source[name] = env[key], key
     return mode, config_from_text(opts, source)
+
+
+def runner_accumulation(own: int, runner, whose: str) -> int:
+    """The plan's micro-batches per optimizer step under a runner that decides them (the Trainer, Accelerate): the
+    runner's ``gradient_accumulation_steps``; the config's own may only agree with it.
+
+    Raises:
+        ValueError: the config sets another count than the runner's.
+    """
+    runner = max(1, int(runner or 1))
+    if own != 1 and own != runner:
+        raise ValueError(f"trainstream gradient_accumulation_steps={own} differs from {whose} "
+                         f"gradient_accumulation_steps={runner}, which decides the micro-batches per step: leave "
+                         "trainstream's unset")
+    return runner

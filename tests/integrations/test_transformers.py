@@ -156,6 +156,14 @@ def test_the_plan_takes_the_trainers_gradient_accumulation(tmp_path):
     plan = ts.engine_of(model).plan
     assert plan.accumulation == 3 and "3 micro-batches per step" in str(plan)
     ts.unwrap(model)
+    # trainstream's own count may only agree with the Trainer's, which decides the micro-batches
+    model = _model()
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",
+                                        trainstream_gradient_accumulation_steps=2,
+                                        **{**COMMON, "gradient_accumulation_steps": 3})
+    with pytest.raises(ValueError, match="differs from the Trainer's gradient_accumulation_steps=3"):
+        TrainStreamTrainer(model=model, args=args, train_dataset=_data()).create_optimizer()
+    assert ts.engine_of(model) is None
 
 
 def test_trainer_leaves_a_model_that_does_not_fit_to_the_engine(monkeypatch, tmp_path):

@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.config import TrainStreamConfig, runner_accumulation
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamPlugin", "TrainStreamAccelerator"]
@@ -90,9 +90,8 @@ class TrainStreamAccelerator(Accelerator):
             if config.device is None and placement:
                 # Accelerate's cpu device is "cpu:0", which parameters never report; the engine compares devices.
                 config = replace(config, device="cpu" if self.device.type == "cpu" else str(self.device))
-            if config.gradient_accumulation_steps == 1 and self.gradient_accumulation_steps > 1:
-                # Accelerate's micro-batches per optimizer step, unless the config chose its own
-                config = replace(config, gradient_accumulation_steps=int(self.gradient_accumulation_steps))
+            config = replace(config, gradient_accumulation_steps=runner_accumulation(  # Accelerate's micro-batches
+                config.gradient_accumulation_steps, self.gradient_accumulation_steps, "Accelerate's"))
             _, new_opt = wrap(model, inner, config)
             if oi is not None and new_opt is not inner:
                 if inner is args[oi]:

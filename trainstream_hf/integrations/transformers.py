@@ -33,7 +33,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from trainstream_hf.config import TrainStreamConfig, config_from_text, env_config
+from trainstream_hf.config import TrainStreamConfig, config_from_text, env_config, runner_accumulation
 from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
@@ -168,9 +168,8 @@ class TrainStreamCallback(TrainerCallback):
         shape = self.config.batch_shape or (args.per_device_train_batch_size,
                                              getattr(getattr(model, "config", None), "max_position_embeddings",
                                                      2048) or 2048)
-        accumulation = self.config.gradient_accumulation_steps
-        if accumulation == 1:  # the Trainer's micro-batches per optimizer step, unless the config chose its own
-            accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+        accumulation = runner_accumulation(self.config.gradient_accumulation_steps,
+                                     getattr(args, "gradient_accumulation_steps", 1), "the Trainer's")
         cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape),
                                    "gradient_accumulation_steps": accumulation})
         if cfg.device is None and torch.device(args.device).type != "cpu" and any(
