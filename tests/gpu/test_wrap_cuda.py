@@ -169,3 +169,42 @@ def test_full_finetune_gradients_bit_exact_cuda(paged):
         assert g is not None, n
         assert torch.equal(p.grad, g.to(p.grad.device).view_as(p.grad)), n
     ts.unwrap(model)
+
+
+def test_views_of_one_storage_come_back_from_one_copy_on_cuda():
+    """The activation offloader on real streams: views covering one storage share one host copy and one device
+    buffer in backward, a reused address is not served by a dead storage's copy, and the gradients are the
+    unwrapped model's bit for bit (tests/engine/test_paging.py has the same on the CPU)."""
+    from tests.engine.test_paging import _ViewsStack
+    from trainstream_hf.engine.activations import ActivationOffloader
+    from trainstream_hf.engine.arena import HostArena
+    from trainstream_hf.engine.blocks import find_blocks
+    from trainstream_hf.engine.hooks import BlockHooks
+    from trainstream_hf.engine.streams import TransferStreams
+
+    torch.manual_seed(0)
+    model = _ViewsStack(64, 3).cuda()
+    ref = copy.deepcopy(model)
+    hooks = BlockHooks(find_blocks(model))
+    streams, arena = TransferStreams(torch.device("cuda")), HostArena(slab_bytes="8MiB")
+    offloader = ActivationOffloader(hooks, streams, arena, min_bytes=0)
+    try:
+        for step in range(2):
+            x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(step)).cuda()
+            xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+            loss, ref_loss = model(xs[0]).square().mean(), ref(xs[1]).square().mean()
+            loss.backward()
+            ref_loss.backward()
+            assert torch.equal(loss, ref_loss) and torch.equal(xs[0].grad, xs[1].grad)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad), name
+            model.zero_grad()
+            ref.zero_grad()
+        stats = offloader.stats()
+        assert stats["deduplicated"] >= 2 * 3 * 2 and stats["live"] == 0
+        assert stats["h2d_bytes"] == stats["d2h_bytes"] > 0
+    finally:
+        offloader.close()
+        hooks.remove()
+        streams.synchronize()
+        arena.close()
