@@ -57,6 +57,30 @@ def test_trainstream_trainer_matches_plain_trainer(tmp_path, page_weights):
     assert logged and all(h["trainstream/arena_used_GiB"] > 0 for h in logged)
 
 
+@pytest.mark.parametrize("grads", ["device", "host"])
+def test_accumulating_trainer_matches_plain_trainer(tmp_path, grads):
+    """Two micro-batches per step, the plan told by the Trainer, clipping on: the plain Trainer's weights."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    common = {**COMMON, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
+    Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **common), train_dataset=_data()).train()
+    args = TrainStreamTrainingArguments(
+        output_dir=str(tmp_path / "b"), trainstream="on", trainstream_offload_optimizer="true",
+        trainstream_min_offload_numel=0, trainstream_vram_budget="64GiB", trainstream_grads=grads, **common)
+    trainer = TrainStreamTrainer(model=model, args=args, train_dataset=_data())
+    plans = []
+
+    class Spy(TrainStreamCallback.__mro__[1]):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            plans.append(ts.engine_of(model).plan.accumulation)
+
+    trainer.add_callback(Spy())
+    trainer.train()
+    assert plans and set(plans) == {2}
+    diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
+    assert diff < 1e-6
+
+
 def test_engine_left_installed_after_train(tmp_path):
     """trainstream_unwrap_at_end=False: the engine stays in after train() (a paged model never has to fit on the
     device whole); unwrapping it later gives the weights an unwrapping at train end gives."""
