@@ -752,7 +752,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         return sum(p.numel() * p.element_size() for p in params)
 
     if int(accumulation) < 1:
-        raise ValueError(f"gradient_accumulation_steps: at least 1 micro-batch per optimizer step, got {accumulation!r}")
+        raise ValueError(f"gradient_accumulation_steps: at least 1 micro-batch per optimizer step, got "
+                         f"{accumulation!r}")
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel, forward_seconds=forward_seconds,
               moment_bytes=2 if optimizer_moments == "bfloat16" else 4, accumulation=int(accumulation))

@@ -159,17 +159,14 @@ class Engine:
         pl = self.plan
         if self._accum_warned or pl is None or self._micro <= pl.accumulation:
             return
-        planned = pl.accumulation
-        pl.accumulation = self._micro
-        try:
-            fits, peak, held = pl.fits(), pl.predicted_peak(), pl.held_grad_bytes()
-        finally:
-            pl.accumulation = planned
-        if not fits:
+        seen = replace(pl, accumulation=self._micro)  # the same plan, told the micro-batches run
+        if not seen.fits():
             self._accum_warned = True
             warnings.warn(f"trainstream_hf: this optimizer step runs {self._micro} micro-batches but the plan was made "
-                          f"for {planned}; each forward after the first runs beside {held / 2**30:.2f} GiB of held "
-                          f"gradients, {peak / 2**30:.2f} GiB predicted against a {pl.budget / 2**30:.2f} GiB budget, "
+                          f"for {pl.accumulation}; each forward after the first runs beside "
+                          f"{seen.held_grad_bytes() / 2**30:.2f} GiB of held gradients, "
+                          f"{seen.predicted_peak() / 2**30:.2f} GiB predicted against a "
+                          f"{pl.budget / 2**30:.2f} GiB budget, "
                           "and may run out of device memory: pass gradient_accumulation_steps to wrap() (the "
                           "Trainer integration passes the Trainer's)", RuntimeWarning, stacklevel=2)
 

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from trainstream_hf.bench.common import median_time
+from trainstream_hf.engine.arena import HostMemoryError
 from trainstream_hf.engine.gcstats import GcPauses
 
 Step = Callable[[], Optional[torch.Tensor]]  # one training step; may return its loss
@@ -234,8 +235,6 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
                                          + ".json.gz")
                 out["profile"] = profile_steps(raw_step, device, PROFILE_STEPS, trace=trace)
     except Exception as err:  # noqa: BLE001 - an OOM (device or host) is a result; anything else propagates
-        from trainstream_hf.engine.arena import HostMemoryError
-
         if not (is_oom(err) or isinstance(err, HostMemoryError)):
             raise
         out["status"] = "oom" if is_oom(err) else "host memory"

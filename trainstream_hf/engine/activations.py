@@ -236,13 +236,12 @@ class ActivationOffloader(BlockListener):
             return None
         seen = self._seen.get(id(t))
         rec = seen[2]() if seen is not None and seen[0]() is t and seen[1] == t._version else None
-        view = None
+        view = storage = None
         if rec is not None:
             self._stats["deduplicated"] += 1
         else:
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            same = self._storages.get(ptr)
+            same = self._storages.get(storage.data_ptr())
             if same is not None and same[:4] == (t._version, t.storage_offset(), t.numel(), t.dtype) and \
                     same[5]() is storage:
                 rec = same[4]()
@@ -257,7 +256,6 @@ class ActivationOffloader(BlockListener):
             # memory is reused only after the copy has read it.
             rec = _Offloaded(host, self.streams.to_host(t.detach(), host), t.size(), t.stride(), pad)
             self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(rec))
-            storage = t.untyped_storage()
             self._storages[storage.data_ptr()] = (t._version, t.storage_offset(), t.numel(), t.dtype, weakref.ref(rec),
                                                   weakref.ref(storage))
             self._stats["offloaded"] += 1
