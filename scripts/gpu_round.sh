@@ -52,7 +52,7 @@ for s in "$@"; do case $s in
       tests/gpu/test_ops_reference_cuda.py ;;
   engine_full) run 400 engine_full $B engine --peers full,ds,ts_full,ts_full_cpu,ts_full_inbwd --full-shape llama3.2-3b --warmup 2 \
       --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
-  engine_full_accum) for a in 2 4 8; do run 400 "engine_full_accum$a" $B engine --peers full,ds,ts_full,ts_full_cpu \
+  engine_full_accum) for a in 2 4 8; do run 400 "engine_full_accum$a" $B engine --peers full,ds,ts_full,ts_full_stale \
       --full-shape llama3.2-3b --accum $a --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum$a-$GPU-$SHA"
       done ;;
   engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_cpu,ts_full_inbwd \

@@ -135,6 +135,14 @@ class TrainStreamConfig:
         "help": "The offloaded AdamW's moments on the host: 'float32' (exact) or 'bfloat16' (opt-in approximation: "
                 "stored by stochastic rounding, 4 bytes per parameter instead of 8, e.g. an 8B full fine-tune's state "
                 "in a 128 GiB host; the optimizer's device share is then off)."})
+    optimizer_staleness: int = field(default=0, metadata={
+        "help": "0: exact AdamW. 1 (opt-in approximation, ZeRO-Offload's delayed parameter update): the CPU share's "
+                "update from step N's gradients runs during step N+1's forwards and backwards and reaches the device "
+                "weights at step N+1's optimizer.step(), so those parameters train one update behind; the CPU AdamW "
+                "then costs no step time when a step's micro-batches take longer than it (gradient accumulation). "
+                "Masters and moments are exact AdamW over the gradients delivered; the optimizer's device share is not "
+                "delayed; saving the model writes the pending update first. Keeps gradients on the device ('auto' "
+                "becomes 'device'); not with optimizer_in_backward or paged trainable weights."})
     data_parallel: str | bool = field(default="auto", metadata={
         "help": "Replicas trained with DistributedDataParallel, one per process (wrap first, then DDP): 'auto' (when "
                 "torch.distributed is initialized with more than one process), True or False. Then gradients stay on "
@@ -240,6 +248,14 @@ class TrainStreamConfig:
         if not (streamed in ("auto", True, False) or (isinstance(streamed, (int, float)) and
                                                       not isinstance(streamed, bool) and 0 <= streamed <= 1)):
             raise ValueError(f"optimizer_streamed: 'auto', True, False or a fraction in [0, 1], got {streamed!r}")
+        if isinstance(self.optimizer_staleness, bool) or self.optimizer_staleness not in (0, 1):
+            raise ValueError(f"optimizer_staleness: 0 (exact AdamW) or 1 (the CPU share's update applied one step "
+                             f"late), got {self.optimizer_staleness!r}")
+        if self.optimizer_staleness and (self.optimizer_in_backward or self.grads == "host"):
+            what = "optimizer_in_backward=True" if self.optimizer_in_backward else "grads='host'"
+            raise ValueError(f"optimizer_staleness=1 keeps each step's gradients on the device until step() and "
+                             f"updates during the next step, but {what} consumes them in backward: use one or the "
+                             "other")
         if not isinstance(self.optimizer_in_backward, bool):
             raise ValueError(f"optimizer_in_backward: True or False, got {self.optimizer_in_backward!r}")
         if self.optimizer_in_backward:

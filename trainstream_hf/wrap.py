@@ -242,7 +242,7 @@ class Engine:
         # Embeddings and head first (the forward needs the embedding before block 0), then block by block.
         opt.set_step_order(other + [p for ps in block_params for p in ps])
         for h in (self.model.register_forward_pre_hook(lambda m, a: opt.wait_for(other)),
-                  self.model.register_forward_hook(lambda m, a, o: opt.synchronize(), always_call=True)):
+                  self.model.register_forward_hook(lambda m, a, o: opt.forward_done(), always_call=True)):
             undo.callback(h.remove)
         self.hooks.add(_StepWaiter(opt, block_params))  # the block hooks' removal forgets it
 
@@ -417,6 +417,11 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
         config = replace(config, grads="device")
     if config.optimizer_in_backward and config.grads == "auto":
         config = replace(config, grads="host")  # the updates start from the host-mode gradient hook
+    if config.optimizer_staleness:
+        # The gradients stay on the device (the delayed update reads their host copies during the next backward), and
+        # no state is streamed: the CPU AdamW is off the critical path, the streamed share's copies would be on it.
+        config = replace(config, grads="device" if config.grads == "auto" else config.grads,
+                         optimizer_streamed=False if config.optimizer_streamed == "auto" else config.optimizer_streamed)
     return config, dp_group
 
 
@@ -583,10 +588,14 @@ def _make_plan(s: _Setup) -> planner.Plan:
             s.drop_casts()
             pl = plain
     if config.grads == "device" and pl.grads == "host" and s.dp_group is None:  # (DDP: its own refusal, later)
-        raise ValueError(_DEVICE_GRADS_PAGED)
+        raise ValueError(_STALE_PAGED if config.optimizer_staleness else _DEVICE_GRADS_PAGED)
     return pl
 
 
+_STALE_PAGED = (
+    "optimizer_staleness=1 cannot be honoured: the plan pages trainable weights (they do not fit the vram_budget), "
+    "whose updates must be in their host copies before the next forward pages them in; raise vram_budget, set "
+    "page_weights=False, or use optimizer_staleness=0")
 _DEVICE_GRADS_PAGED = (
     "grads='device' cannot be honoured: the plan pages trainable weights, whose gradients go straight to their host "
     "copies (the weight is not on the device after its block has run); use grads='auto' (p.grad and "
@@ -697,7 +706,7 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     if optimizer is not None and offload:
         sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
         if sinks and config.grads == "device" and s.dp_group is None:
-            raise ValueError(_DEVICE_GRADS_PAGED)
+            raise ValueError(_STALE_PAGED if config.optimizer_staleness else _DEVICE_GRADS_PAGED)
         if sinks and config.offload_optimizer is False:
             warnings.warn(f"offload_optimizer=False, but the plan pages trainable weights: the optimizer state of "
                           f"those {len(sinks)} parameters is in host RAM, updated there; set page_weights=False or "
@@ -711,6 +720,7 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=pl.grads,
                                  param_sink=sinks, overlap_step=bool(overlap),
                                  optimizer_in_backward=config.optimizer_in_backward, moments=config.optimizer_moments,
+                                 staleness=config.optimizer_staleness,
                                  resident=[p for p in offload if names.get(id(p)) in resident and p not in sinks],
                                  streamed=[p for p in offload if names.get(id(p)) in streamed and p not in sinks])
         undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed
@@ -755,7 +765,7 @@ def _track_masters(model: nn.Module, opt: OffloadedAdamW, undo: contextlib.ExitS
 
     def before_save(module, prefix, keep_vars):
         if (o := ref()) is not None:
-            o.synchronize()
+            o.publish()  # (optimizer_staleness=1: the update still pending goes into the weights first)
 
     def before_load(module, state_dict, prefix, *args):
         if (o := ref()) is not None:

@@ -228,6 +228,10 @@ JOBS = {
         full_shape, budget, grads="device", name_suffix=", device grads", **kw)),
     "ts_full_serial": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, grads="device", overlap_step=False, name_suffix=", device grads, serial step", **kw)),
+    # the CPU share's update applied one step late (optimizer_staleness=1, opt-in): it runs during the next step's
+    # micro-batches instead of between steps
+    "ts_full_stale": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, optimizer_staleness=1, name_suffix=", CPU share one step stale (opt-in)", **kw)),
     # each CPU AdamW update starts from backward's gradient hook instead of at step()
     "ts_full_inbwd": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, grads="host", optimizer_in_backward=True, name_suffix=", optimizer in backward", **kw)),

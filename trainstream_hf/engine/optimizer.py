@@ -57,7 +57,7 @@ class _Slot:
     """Host state of one offloaded parameter (all buffers flat, contiguous, in the arena)."""
 
     __slots__ = ("param", "shape", "group", "master", "exp_avg", "exp_avg_sq", "step", "out", "sink", "last_h2d",
-                 "ready", "where", "seed")
+                 "ready", "where", "seed", "unpublished")
 
     def __init__(self, param: nn.Parameter, group: int, arena: HostArena, sink: torch.Tensor | None,
                  where: str = "host", moments: torch.dtype = torch.float32, seed: int = 0):
@@ -84,6 +84,7 @@ class _Slot:
         self.last_h2d: Transfer | None = None  # the copy that may still read master / out
         self.ready = threading.Event()  # set once this step's new weight is written / its copy issued
         self.ready.set()
+        self.unpublished = False  # staleness 1: master / out hold an update not yet copied to the device weight
         self.reset()
 
     def reset(self) -> None:
@@ -97,6 +98,7 @@ class _Slot:
         self.wait_h2d()
         src = self.sink if self.sink is not None else self.param.detach()
         self.master.copy_(src.reshape(-1))
+        self.unpublished = False
 
     def wait_h2d(self) -> None:
         if self.last_h2d is not None:
@@ -166,6 +168,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         moments: ``"float32"`` (exact AdamW) or ``"bfloat16"``: the CPU share's moments stored in bf16 by stochastic
             rounding (:func:`trainstream_hf.ops.adamw_step_sr_`), 4 bytes per parameter instead of 8 in host RAM; an
             approximation, opt-in. Not with resident or streamed parameters (the device kernel takes float32).
+        staleness: ``0`` (exact) or ``1``: the CPU share's update from the gradients of step N runs on the worker
+            during step N+1's forwards and backwards and is copied into the device weights at step N+1's ``step()``;
+            so those forwards use weights one update behind (ZeRO-Offload's delayed parameter update), and the CPU
+            AdamW leaves the critical path when a step's forwards and backwards take longer than it. The masters and
+            moments follow exact AdamW over the gradients each step delivers; resident and streamed parameters are
+            not delayed. An opt-in approximation; needs ``grads="device"``, not ``optimizer_in_backward`` or
+            ``param_sink``. The model's ``state_dict`` and :meth:`release` publish the pending update first
+            (:meth:`publish`), so a saved model holds the masters.
 
     Raises:
         TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
@@ -182,7 +192,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4,
                  overlap_step: bool = False, optimizer_in_backward: bool = False,
                  resident: Iterable[nn.Parameter] = (), streamed: Iterable[nn.Parameter] = (),
-                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, moments: str = "float32"):
+                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, moments: str = "float32", staleness: int = 0):
         if type(optimizer) not in _SUPPORTED:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -198,6 +208,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 raise ValueError(f"optimizer_in_backward needs grads='host' and overlap_step=True (the update starts "
                                  f"from the gradient hook of backward, on the step's worker thread), got "
                                  f"grads={grads!r}, overlap_step={overlap_step!r}")
+        if isinstance(staleness, bool) or staleness not in (0, 1):
+            raise ValueError(f"staleness: 0 (exact AdamW) or 1 (the CPU share's update applied one step late), got "
+                             f"{staleness!r}")
+        if staleness:
+            clash = [what for what, bad in (("optimizer_in_backward", optimizer_in_backward),
+                                            ("param_sink (paged trainable weights)", bool(param_sink)),
+                                            (f"grads={grads!r}", grads != "device")) if bad]
+            if clash:
+                raise ValueError(f"staleness=1 keeps each step's gradients on the device until step() and updates "
+                                 f"during the next step's forwards; it cannot be combined with {', '.join(clash)}: use "
+                                 "grads='device', no paged trainable weights and optimizer_in_backward=False, or "
+                                 "staleness=0")
         for g in optimizer.param_groups:
             _hyper(type(optimizer), g)
         self._cls = type(optimizer)
@@ -253,6 +275,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # threads 0.712 s and 0.847 s (OMP_NUM_THREADS, two processes of one call, benchmarks/NOTES.md).
         self._adam_threads = max(1, torch.get_num_threads() - 1) if self.overlap_step else 0
         self.optimizer_in_backward = bool(optimizer_in_backward)
+        self.staleness = int(staleness)
+        self._published = False  # staleness 1: H2D copies of delayed updates issued (the forwards wait for them)
         self._in_backward: dict[nn.Parameter, None] = {}  # parameters whose update was queued since the last step
         self._in_backward_error: tuple[int, BaseException] | None = None
         self._step_order: list[_Slot] | None = None  # of the CPU share
@@ -391,6 +415,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if any(s.sink is not None for s in self._slots.values()):
                 # a pager prefetch may still read a sink; our host writes must not race it
                 sink_free = self.streams.h2d.record_event()
+        if self.staleness:
+            self._publish(compute_done)  # the previous step's update, before this one overwrites its buffers
         self._grads.collect()  # all D2H copies are in flight before the first is waited on
         if cuda and self.overlap_step and self.grads_mode == "device":
             # The next forward must not start allocating while every device gradient is still held for its copy
@@ -589,13 +615,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def wait_for(self, params: Iterable[nn.Parameter]) -> None:
         """Makes the current stream wait for the new values of ``params`` (offloaded ones; others are
         ignored). Blocks the host only until the worker has issued their copies, never for the copies."""
-        if self._pending is None and not self._in_backward and not self._device_live:
+        if self.staleness:
+            if not (self._published or self._device_live):
+                return
+        elif self._pending is None and not self._in_backward and not self._device_live:
             return
         for p in params:
             slot = self._slots.get(p)
             if slot is None:
                 continue
-            slot.ready.wait()
+            if not self.staleness:  # (delayed: the running update writes host buffers only; its copies are waited)
+                slot.ready.wait()
             h2d = slot.last_h2d
             if h2d is not None and h2d.event is not None:
                 torch.cuda.current_stream(self.streams.device).wait_event(h2d.event)
@@ -613,6 +643,41 @@ class OffloadedAdamW(torch.optim.Optimizer):
             pending.result()
             if self.streams.is_cuda:
                 torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
+
+    def forward_done(self) -> None:
+        """The end of a training forward (wrap's hook): waits for an overlapped step, so backward never races its
+        weight copies. With ``staleness=1`` the running update writes host buffers only, so it keeps running (its
+        error, if any, is raised here once it has ended, or at the next ``step()``)."""
+        if self.staleness and self._pending is not None and not self._pending.done():
+            return
+        self.synchronize()
+
+    def publish(self) -> None:
+        """``staleness=1``: waits for the pending update and copies it into the device weights now, so the model
+        holds the masters (before saving or evaluating it); the current stream waits for the copies. Without
+        staleness, :meth:`synchronize`."""
+        self.synchronize()
+        if self.staleness and any(s.unpublished for s in self._host_slots.values()):
+            cuda = self.streams.is_cuda
+            after = torch.cuda.current_stream(self.streams.device).record_event() if cuda else None
+            self._publish(after)
+            if cuda:
+                torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
+
+    def _publish(self, compute_done) -> None:
+        """Issues the H2D copy of each delayed update into its device weight, after ``compute_done`` (every read of
+        the old weights), in the step order; each slot's next update waits for its copy before it writes."""
+        for slot in self._step_order or self._host_slots.values():
+            if not slot.unpublished:
+                continue
+            p = slot.param
+            src = slot.master if slot.out is None else slot.out
+            self._h2d_bytes += src.numel() * src.element_size()
+            slot.last_h2d = self.streams.to_device(src.view(p.shape), out=p.data, after=compute_done)
+            slot.unpublished = False
+            self._published = True
+        if self._published and self.streams.is_cuda and not self.overlap_step:
+            torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.h2d)
 
     def _step_slot(self, slot: _Slot, grad: torch.Tensor, h: dict, compute_done) -> None:
         p, n = slot.param, slot.master.numel()
@@ -647,6 +712,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return
         if p.dtype == torch.float16:
             slot.out.copy_(slot.master)
+        if self.staleness:  # copied into p.data at the next step() (_publish)
+            slot.unpublished = True
+            return
         src = slot.master if slot.out is None else slot.out
         self._h2d_bytes += src.numel() * src.element_size()
         slot.last_h2d = self.streams.to_device(src.view(p.shape), out=p.data, after=compute_done)
@@ -908,7 +976,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for p, s in self._slots.items():
             s.wait_h2d()
             dst = s.sink if s.sink is not None else p.data
-            dst.copy_(s.master.view(dst.shape))
+            dst.copy_(s.master.view(dst.shape))  # (a delayed update still pending included)
+            s.unpublished = False
         self._grads.remove_hooks()
         for h in self._device_hooks:
             h.remove()
