@@ -5,6 +5,7 @@
 #   TRAINSTREAM_COMMIT=<sha> bash scripts/gpu_round.sh <step>...   steps: lora_tests engine engine_recipe quant quant_untuned
 #                                                                   fp8_profile profile_8b recipe_8b recipe_70b tests
 #                                                                   adamw_tests engine_full engine_full_accum
+#                                                                   engine_full_accum8 (no DeepSpeed row)
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
 #                                                                   recipe_8b_full engine_full_8b micro
 set -uo pipefail
@@ -55,6 +56,8 @@ for s in "$@"; do case $s in
   engine_full_accum) for a in 2 4 8; do run 400 "engine_full_accum$a" $B engine --peers full,ds,ts_full,ts_full_stale \
       --full-shape llama3.2-3b --accum $a --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum$a-$GPU-$SHA"
       done ;;
+  engine_full_accum8) run 400 engine_full_accum8 $B engine --peers full,ts_full,ts_full_stale --full-shape llama3.2-3b \
+      --accum 8 --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum8-$GPU-$SHA" ;;
   engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_cpu,ts_full_inbwd \
       --full-shape llama3.2-3b --warmup 2 --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
   micro) run 180 micro $B micro --out "$OUT" --name "micro-$GPU-$SHA" ;;  # copies, pinning, AdamW, contention

@@ -142,7 +142,10 @@ class TrainStreamConfig:
                 "then costs no step time when a step's micro-batches take longer than it (gradient accumulation). "
                 "Masters and moments are exact AdamW over the gradients delivered; the optimizer's device share is not "
                 "delayed; saving the model writes the pending update first. Keeps gradients on the device ('auto' "
-                "becomes 'device'); not with optimizer_in_backward or paged trainable weights."})
+                "becomes 'device') and streams no optimizer state; not with optimizer_in_backward or paged trainable "
+                "weights. It pays at 4 or more micro-batches per step; it can cost learning: on the demo task the "
+                "delayed run learned far more slowly than exact AdamW at every learning rate tried "
+                "(benchmarks/NOTES.md, 2026-12-06 night). Compare loss curves before relying on it."})
     data_parallel: str | bool = field(default="auto", metadata={
         "help": "Replicas trained with DistributedDataParallel, one per process (wrap first, then DDP): 'auto' (when "
                 "torch.distributed is initialized with more than one process), True or False. Then gradients stay on "
