@@ -51,14 +51,14 @@ for s in "$@"; do case $s in
       cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
   adamw_tests) run 120 adamw_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_adamw_cuda.py \
       tests/gpu/test_ops_reference_cuda.py ;;
-  engine_full) run 400 engine_full $B engine --peers full,ds,ts_full,ts_full_cpu,ts_full_inbwd --full-shape llama3.2-3b --warmup 2 \
+  engine_full) run 400 engine_full $B engine --peers full,ds,ts_full,ts_full_cpu,ts_full_inbwd,ts_full_inbwd_rc --full-shape llama3.2-3b --warmup 2 \
       --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
   engine_full_accum) for a in 2 4 8; do run 400 "engine_full_accum$a" $B engine --peers full,ds,ts_full,ts_full_stale \
       --full-shape llama3.2-3b --accum $a --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum$a-$GPU-$SHA"
       done ;;
   engine_full_accum8) run 400 engine_full_accum8 $B engine --peers full,ts_full,ts_full_stale --full-shape llama3.2-3b \
       --accum 8 --warmup 1 --repeats 3 --out "$OUT" --name "engine-full-3b-accum8-$GPU-$SHA" ;;
-  engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_cpu,ts_full_inbwd \
+  engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_inbwd,ts_full_inbwd_rc \
       --full-shape llama3.2-3b --warmup 2 --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
   micro) run 180 micro $B micro --out "$OUT" --name "micro-$GPU-$SHA" ;;  # copies, pinning, AdamW, contention
   cache) run 580 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;  # ~4-6 min: 10 rows x 3 repeats of generate()

@@ -752,7 +752,7 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         new_opt = OffloadedAdamW(optimizer, offload, arena=arena, streams=streams, grads=pl.grads,
                                  param_sink=sinks, overlap_step=bool(overlap),
                                  optimizer_in_backward=config.optimizer_in_backward, moments=config.optimizer_moments,
-                                 staleness=config.optimizer_staleness,
+                                 staleness=config.optimizer_staleness, grads_fit_forward=pl.accumulation > 1,
                                  resident=[p for p in offload if names.get(id(p)) in resident and p not in sinks],
                                  streamed=[p for p in offload if names.get(id(p)) in streamed and p not in sinks])
         undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed

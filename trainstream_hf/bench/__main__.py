@@ -45,7 +45,8 @@ def main(argv=None) -> None:
                        help="allocator cap for the DeepSpeed offload rows, and for every row of table (0: none)")
     peers.add_argument("--peers", default=None, help="comma-separated subset of: bandwidth,peft,peft_ckpt,"
                        "bnb,bnb_ckpt,full,ds,ds_ckpt,ds3,ds3_ckpt,cpu_adamw (default all); engine: those and ts_lora,ts_nf4,"
-                       "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_cpu,ts_full_bf16m,ts_full_devgrads,ts_full_serial,ts_full_inbwd,ts_paged; quant: bf16,bnb_nf4,int8,"
+                       "ts_nf4_fused_norms,recipe_nf4,ts_full,ts_full_cpu,ts_full_bf16m,ts_full_devgrads,ts_full_serial,"
+                       "ts_full_inbwd,ts_full_inbwd_rc,ts_full_stale,ts_paged; quant: bf16,bnb_nf4,int8,"
                        "nf4,fp8,fp8_outliers,fp8_wo,nvfp4,nvfp4_w4a4,dequant; table: "
                        + ",".join(TABLE_ROWS) + "; host: " + ",".join(HOST_ROWS) + "; cache: " + ",".join(CACHE_ROWS))
     peers.add_argument("--accum", type=int, default=1,

@@ -235,6 +235,10 @@ JOBS = {
     # each CPU AdamW update starts from backward's gradient hook instead of at step()
     "ts_full_inbwd": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
         full_shape, budget, grads="host", optimizer_in_backward=True, name_suffix=", optimizer in backward", **kw)),
+    # every block recomputed: the freed activation memory holds more resident optimizer state (less CPU and PCIe work)
+    "ts_full_inbwd_rc": ("full", lambda shape, full_shape, budget, kw: trainstream_full(
+        full_shape, budget, grads="host", optimizer_in_backward=True, recompute=True,
+        name_suffix=", optimizer in backward, every block recomputed", **kw)),
     # the 32B shape is fixed: it is the "larger than the GPU budget" case of issue 3
     "ts_paged": ("paged", lambda shape, full_shape, budget, kw: trainstream_paged(
         "tiny" if shape == "tiny" else "qwen2.5-32b", budget,

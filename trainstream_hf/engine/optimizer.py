@@ -176,6 +176,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             not delayed. An opt-in approximation; needs ``grads="device"``, not ``optimizer_in_backward`` or
             ``param_sink``. The model's ``state_dict`` and :meth:`release` publish the pending update first
             (:meth:`publish`), so a saved model holds the masters.
+        grads_fit_forward: device gradients: the device has room for every gradient beside the next forward's
+            activations (a plan for gradient accumulation counts them there), so ``step()`` does not wait for their
+            copies to the host before it returns; the CPU share waits for each copy itself.
 
     Raises:
         TypeError: ``optimizer`` is not exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``.
@@ -192,7 +195,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  param_sink: dict[nn.Parameter, torch.Tensor] | None = None, grad_staging_slots: int = 4,
                  overlap_step: bool = False, optimizer_in_backward: bool = False,
                  resident: Iterable[nn.Parameter] = (), streamed: Iterable[nn.Parameter] = (),
-                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, moments: str = "float32", staleness: int = 0):
+                 device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, moments: str = "float32", staleness: int = 0,
+                 grads_fit_forward: bool = False):
         if type(optimizer) not in _SUPPORTED:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
@@ -276,6 +280,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._adam_threads = max(1, torch.get_num_threads() - 1) if self.overlap_step else 0
         self.optimizer_in_backward = bool(optimizer_in_backward)
         self.staleness = int(staleness)
+        self.grads_fit_forward = bool(grads_fit_forward)
         self._published = False  # staleness 1: H2D copies of delayed updates issued (the forwards wait for them)
         self._in_backward: dict[nn.Parameter, None] = {}  # parameters whose update was queued since the last step
         self._in_backward_error: tuple[int, BaseException] | None = None
@@ -418,10 +423,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self.staleness:
             self._publish(compute_done)  # the previous step's update, before this one overwrites its buffers
         self._grads.collect()  # all D2H copies are in flight before the first is waited on
-        if cuda and self.overlap_step and self.grads_mode == "device":
+        if cuda and self.overlap_step and self.grads_mode == "device" and not self.grads_fit_forward:
             # The next forward must not start allocating while every device gradient is still held for its copy
             # (they would sit beside its activations: measured out of memory on the H200). Wait for the copies;
-            # 'host' gradients avoid this wait by leaving during backward.
+            # 'host' gradients avoid this wait by leaving during backward, and a plan for gradient accumulation
+            # has room for them beside a forward (each later micro-batch's).
             self.streams.d2h.synchronize()
         self._step_device()
         self._step_device_share(device_work, compute_done)
