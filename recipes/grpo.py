@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.trainer == "trainstream":
             trainer = TrainStreamGRPOTrainer(
                 **common, ref_chunk_tokens=gc.ref_chunk_tokens, generation_cache=gc.generation_cache,
+                compiled_generation=gc.compiled_generation,
                 trainstream_config=align.engine_config(run, (cfg.train.batch_size,
                                                              longest + gc.max_completion_length)))
         else:  # the stock baseline: TRL's own trainer, reference and generation path

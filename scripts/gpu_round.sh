@@ -7,7 +7,7 @@
 #                                                                   adamw_tests engine_full engine_full_accum
 #                                                                   engine_full_accum8 (no DeepSpeed row)
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
-#                                                                   recipe_8b_full engine_full_8b micro
+#                                                                   recipe_8b_full engine_full_8b micro align_8b_compiled gen_tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -49,6 +49,8 @@ for s in "$@"; do case $s in
   recipe_70b) run 200 recipe_70b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
       --config configs/llama3-70b-lora-nf4-24gib.yaml --train.steps 6 --output_dir /tmp/sft70b
       cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
+  gen_tests) run 300 gen_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compiled_generation_cuda.py \
+      tests/gpu/test_cache_cuda.py ;;
   adamw_tests) run 120 adamw_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_adamw_cuda.py \
       tests/gpu/test_ops_reference_cuda.py ;;
   engine_full) run 400 engine_full $B engine --peers full,ds,ts_full,ts_full_cpu,ts_full_inbwd,ts_full_inbwd_rc --full-shape llama3.2-3b --warmup 2 \
@@ -69,7 +71,16 @@ for s in "$@"; do case $s in
         run 300 "align_8b_${r}_$t" accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/$r.py \
           --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
         cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
-      done; done ;;
+      done; done
+      # the decode step compiled (static cache, CUDA graphs) instead of TrainStreamCache
+      run 400 align_8b_grpo_compiled accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/grpo.py \
+        --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.generation_cache null --grpo.compiled_generation true \
+        --train.steps 4 --output_dir /tmp/grpo-compiled
+      cp /tmp/grpo-compiled/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-$GPU-$SHA.json" 2>/dev/null ;;
+  align_8b_compiled) run 400 align_8b_grpo_compiled accelerate launch --config_file configs/accelerate/single_gpu.yaml \
+        recipes/grpo.py --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.generation_cache null \
+        --grpo.compiled_generation true --train.steps 4 --output_dir /tmp/grpo-compiled
+      cp /tmp/grpo-compiled/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-$GPU-$SHA.json" 2>/dev/null ;;
   engine_full_8b) run 580 engine_full_8b $B engine --peers ds3,ts_full_bf16m --full-shape llama3-8b --warmup 1 --repeats 3 \
       --out "$OUT" --name "engine-full-8b-$GPU-$SHA" ;;
   recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \

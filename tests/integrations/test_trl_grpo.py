@@ -240,3 +240,43 @@ def test_grpo_generates_through_the_paged_cache(tmp_path):
         TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path),
                                train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
                                generation_cache=2)
+
+
+def test_compiled_generation_traces_the_decode_step_without_a_break(tmp_path):
+    """compiled_generation: TRL's generate() runs with a static cache and transformers' compiled decode step (here
+    the "eager" backend on the CPU: traced, not code-generated; a GPU gets inductor and CUDA graphs), the engine's block
+    hooks standing aside in that no-grad trace: one graph, no break, and training goes on through the hooks."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    tok = _tokenizer()
+    cfg = TrainStreamConfig(**ENGINE)
+    trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path, max_steps=2),
+                                     train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                                     trainstream_config=cfg, compiled_generation=True)
+    assert trainer.generation_config.cache_implementation == "static"
+    assert not trainer.generation_config.disable_compile
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # (transformers compiles generate() on accelerators only)
+    trainer.generation_config.compile_config = compile_config
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        trainer.train()
+        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    # paged block weights: a traced decode step could not fetch them, so generation stays eager, said once
+    paged = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path, max_steps=1),
+                                   train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                                   trainstream_config=TrainStreamConfig(**ENGINE, page_weights=True),
+                                   compiled_generation=True)
+    with pytest.warns(RuntimeWarning, match="compiled_generation: the plan pages 2 blocks' weights"):
+        paged.train()
+    assert paged.generation_config.disable_compile
+    with pytest.raises(ValueError, match="compiled_generation=True decodes with transformers' static cache"):
+        TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path),
+                               train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                               generation_cache=0.5, compiled_generation=True)

@@ -93,6 +93,9 @@ class BlockListener:
 
     #: lower packs first
     pack_priority: int = 100
+    #: a no-grad forward traced by torch.compile (a compiled generation step) skips the block hooks: a listener that
+    #: must act there (weight paging) sets this, and such a trace raises instead
+    needed_when_compiled: bool = False
 
     def step_start(self) -> None:
         pass
@@ -207,6 +210,15 @@ class BlockHooks:
 
     # -- module hooks ---------------------------------------------------------------------------
     def _pre(self, i: int, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            # A compiled no-grad forward (generation with a static cache, replayed as CUDA graphs): the hooks would be
+            # traced once and not run at replay, so they stand aside; nothing is saved, and with every weight on the
+            # device nothing needs to move. A pager must move weights: such a forward cannot be compiled.
+            if any(listener.needed_when_compiled for listener in self._listeners):
+                raise RuntimeError("trainstream_hf: a compiled no-grad forward (e.g. generate() with a static cache "
+                                   "and torch.compile) cannot page block weights; keep every block's weights on the "
+                                   "device (a larger vram_budget) or generate without compilation")
+            return
         if in_backward():
             # Checkpoint recomputation with the module hooks inside the checkpoint: its context must stay
             # innermost, so we only make sure the weights are there. Reentrant checkpointing ran the forward
@@ -237,6 +249,8 @@ class BlockHooks:
         self._frames.append(_Frame(i, ctx, pack))
 
     def _post(self, i: int, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            return  # (see _pre)
         if not self._frames or self._frames[-1].block != i:
             return  # our pre-hook did not finish (something before it raised): nothing to undo
         frame = self._frames.pop()

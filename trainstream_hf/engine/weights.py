@@ -182,6 +182,8 @@ class WeightPager(BlockListener):
     Parameters shared with anything outside their block (tied weights) are not paged.
     """
 
+    needed_when_compiled = True  # a paged block's weights must be fetched before it runs
+
     pack_priority = 0
 
     def __init__(self, hooks: BlockHooks, streams: TransferStreams, arena: HostArena, *,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -78,6 +79,16 @@ class TrainStreamGRPOConfig(GRPOConfig, TrainStreamTrainingArguments):
 
 
 # -- shared machinery -------------------------------------------------------------------------------------------
+def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
+    """compiled_generation with paged block weights: the traced decode step cannot fetch them; eager, said once."""
+    for m in (policy, getattr(policy, "get_base_model", lambda: None)()):
+        engine = engine_of(m) if m is not None else None
+        if engine is not None and engine.plan is not None and engine.plan.paged_blocks:
+            warnings.warn(f"compiled_generation: the plan pages {len(engine.plan.paged_blocks)} blocks' weights, which "
+                          "a compiled decode step cannot fetch; generating eagerly (a larger vram_budget keeps every "
+                          "block on the device)", RuntimeWarning, stacklevel=3)
+            trainer.generation_config.disable_compile = True
+            return
 def _synchronize_engines(model: nn.Module) -> None:
     """Waits for the engine's overlapped CPU optimizer step. The model's top-level forward hook does that wait, and
     ``losses`` (decoder and head called directly) and ``generate`` bypass it."""
@@ -210,19 +221,29 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         generation_cache: a fraction in [0, 1]: TRL's ``generate`` decodes with a
             :class:`~trainstream_hf.cache.TrainStreamCache` holding that fraction of the layers' K/V on the device
             (the rest in pinned host pages); None (default): TRL's own cache.
+        compiled_generation: sample with a static cache and the decode step compiled by transformers (torch.compile's
+            "reduce-overhead" mode: CUDA graphs on a GPU), where TRL turns that compilation off: the decode step of a
+            LoRA model over a packed base is a few hundred small kernels per token, bound by their launches. The engine's
+            block hooks stand aside in that traced no-grad forward (nothing to page or save); with paged block weights
+            it is turned off with a warning at the first step. The first steps pay the compilation. Not with
+            ``generation_cache`` (TrainStreamCache is not a static cache).
 
     Raises:
         ValueError: ``beta > 0`` and the policy is not a PEFT model; ``ref_chunk_tokens < 1``; a ``generation_cache``
-            outside [0, 1].
+            outside [0, 1], or one with ``compiled_generation``.
     """
 
     def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, ref_chunk_tokens: int = 1024,
-                 generation_cache: float | None = None, **kwargs):
+                 generation_cache: float | None = None, compiled_generation: bool = False, **kwargs):
         from trainstream_hf.integrations.trl_online import check_generation_cache
 
         if ref_chunk_tokens < 1:
             raise ValueError(f"ref_chunk_tokens must be >= 1, got {ref_chunk_tokens}")
         self.generation_cache = check_generation_cache(generation_cache)
+        if compiled_generation and self.generation_cache is not None:
+            raise ValueError(f"compiled_generation=True decodes with transformers' static cache, generation_cache="
+                             f"{generation_cache} with a TrainStreamCache: choose one (generation_cache=None to compile)")
+        self.compiled_generation = bool(compiled_generation)
         bound = _GRPO_INIT.bind(self, *args, **kwargs).arguments
         grpo_args, model = bound.get("args"), bound["model"]
         beta = grpo_args.beta if grpo_args is not None else GRPOConfig.__dataclass_fields__["beta"].default
@@ -240,6 +261,14 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         if self.ref_model is not None:  # TRL changed how it builds the reference: never keep a second model
             raise RuntimeError("TrainStreamGRPOTrainer: TRL created a ref_model; this class targets TRL 1.16, which "
                                "keeps none for a PEFT policy")
+        if self.compiled_generation:
+            if getattr(self, "generation_config", None) is None:  # (vLLM generation: TRL builds no config)
+                raise ValueError("compiled_generation=True compiles transformers' generate(); with use_vllm TRL does "
+                                 "not call it")
+            # TRL 1.16 builds its GenerationConfig with disable_compile=True; generation_kwargs overrides the model's
+            self.generation_config.cache_implementation = "static"
+            self.generation_config.disable_compile = False
+            self.generation_kwargs["cache_implementation"] = "static"
         self._ts_attach(cfg)
 
     def _ts_is_reference_call(self, model, compute_entropy: bool, compute_aux_loss: bool, extra: dict) -> bool:
@@ -284,6 +313,8 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
 
         policy = self.accelerator.unwrap_model(model)
         _synchronize_engines(policy)  # before TRL generates (module docstring)
+        if self.compiled_generation and not self.generation_config.disable_compile:
+            _refuse_compiled_paging(self, policy)
         with generation_through_cache(policy, self.generation_cache):  # TRL generates inside the step
             return super().training_step(model, inputs, num_items_in_batch)
 

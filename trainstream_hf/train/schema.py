@@ -197,10 +197,16 @@ class GRPOArgs:
     generation_cache: float | None = _opt(
         None, "Sampling decodes through a TrainStreamCache with this fraction of the layers' K/V on the device (the "
               "rest in pinned host pages, streamed as the layers run); null: TRL's own cache.")
+    compiled_generation: bool = _opt(
+        False, "Sample with a static cache and transformers' compiled decode step (CUDA graphs on a GPU), which TRL "
+               "turns off (TrainStreamGRPOTrainer(compiled_generation=...)); needs generation_cache null.")
 
     def __post_init__(self) -> None:
         if self.generation_cache is not None and not 0.0 <= self.generation_cache <= 1.0:
             raise ValueError(f"generation_cache: a fraction in [0, 1] or null, got {self.generation_cache!r}")
+        if self.compiled_generation and self.generation_cache is not None:
+            raise ValueError(f"compiled_generation decodes with transformers' static cache; generation_cache="
+                             f"{self.generation_cache} asks for a TrainStreamCache: set one of them off")
         if self.num_generations < 2:
             raise ValueError(f"num_generations: at least 2 (advantages compare completions of one prompt), got "
                              f"{self.num_generations}")
@@ -304,6 +310,9 @@ class GRPOConfig(RecipeConfig):
                        "the trainstream section.")
 
     def __post_init__(self) -> None:
+        if self.trainer != "trainstream" and self.grpo.compiled_generation:
+            raise ValueError(f"grpo.compiled_generation is trainstream's trainer's (stock TRL turns generate()'s "
+                             f"compilation off); trainer={self.trainer!r}: set it false, or trainer 'trainstream'")
         if self.trainer != "trainstream" and self.grpo.generation_cache is not None:
             raise ValueError(f"grpo.generation_cache={self.grpo.generation_cache} samples through trainstream's "
                              f"TrainStreamCache, which trainer={self.trainer!r} (stock TRL, its own cache) does not "
