@@ -179,9 +179,9 @@ class TrainStreamConfig:
                 "and adapter glue fused; one compiled graph shared by the blocks of one structure); the engine's "
                 "hooks, paging and offload stay outside it; generation and evaluation calls run eager. 'auto': on "
                 "CUDA with Triton, eager with one warning if compilation fails; True: torch.compile's default backend "
-                "(inductor); a string: that backend ('aot_eager' traces without generating kernels); False: eager. wrap "
-                "pays the compilation: the plan measures the compiled block, which saves less than the eager one. The "
-                "same maths, not the same bits (trainstream_hf/engine/compiled.py)."})
+                "(inductor); a string: that backend ('aot_eager' traces without generating kernels); False: eager. "
+                "wrap pays the compilation: the plan measures the compiled block, which saves less than the eager "
+                "one. The same maths, not the same bits (trainstream_hf/engine/compiled.py)."})
     elide_casts: str | bool = field(default="auto", metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "

@@ -89,6 +89,8 @@ def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
                           "block on the device)", RuntimeWarning, stacklevel=3)
             trainer.generation_config.disable_compile = True
             return
+
+
 def _synchronize_engines(model: nn.Module) -> None:
     """Waits for the engine's overlapped CPU optimizer step. The model's top-level forward hook does that wait, and
     ``losses`` (decoder and head called directly) and ``generate`` bypass it."""
@@ -223,9 +225,9 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
             (the rest in pinned host pages); None (default): TRL's own cache.
         compiled_generation: sample with a static cache and the decode step compiled by transformers (torch.compile's
             "reduce-overhead" mode: CUDA graphs on a GPU), where TRL turns that compilation off: the decode step of a
-            LoRA model over a packed base is a few hundred small kernels per token, bound by their launches. The engine's
-            block hooks stand aside in that traced no-grad forward (nothing to page or save); with paged block weights
-            it is turned off with a warning at the first step. The first steps pay the compilation. Not with
+            LoRA model over a packed base is a few hundred small kernels per token, bound by their launches. The
+            engine's block hooks stand aside in that traced no-grad forward (nothing to page or save); with paged block
+            weights it is turned off with a warning at the first step. The first steps pay the compilation. Not with
             ``generation_cache`` (TrainStreamCache is not a static cache).
 
     Raises:
@@ -242,7 +244,8 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         self.generation_cache = check_generation_cache(generation_cache)
         if compiled_generation and self.generation_cache is not None:
             raise ValueError(f"compiled_generation=True decodes with transformers' static cache, generation_cache="
-                             f"{generation_cache} with a TrainStreamCache: choose one (generation_cache=None to compile)")
+                             f"{generation_cache} with a TrainStreamCache: choose one (generation_cache=None to "
+                             "compile)")
         self.compiled_generation = bool(compiled_generation)
         bound = _GRPO_INIT.bind(self, *args, **kwargs).arguments
         grpo_args, model = bound.get("args"), bound["model"]
