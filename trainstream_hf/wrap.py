@@ -758,6 +758,10 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         undo.callback(new_opt.release)  # fp32 masters -> sinks / device params, gradient hooks removed
         new_opt.set_param_names(model.named_parameters())
         engine.optimizer = new_opt
+    elif optimizer is not None and config.optimizer_staleness:
+        warnings.warn("optimizer_staleness=1 has nothing to delay: the plan keeps every parameter's optimizer state on "
+                      "the device, so the step is exact AdamW as without it (offload_optimizer=True offloads it)",
+                      RuntimeWarning, stacklevel=3)
     if pager is not None:
         pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
     if isinstance(engine.optimizer, OffloadedAdamW):

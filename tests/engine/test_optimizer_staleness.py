@@ -193,3 +193,12 @@ def test_paged_trainable_weights_are_refused():
     model = _llama()
     with pytest.raises(ValueError, match="staleness=1"):
         ts.wrap(model, torch.optim.AdamW(model.parameters(), **HP), **{**STALE, "page_weights": True})
+
+
+def test_nothing_to_delay_warns():
+    model = _llama()
+    with pytest.warns(RuntimeWarning, match="optimizer_staleness=1 has nothing to delay"):
+        model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), **HP), optimizer_staleness=1,
+                             offload_optimizer=False, vram_budget="64GiB", host_arena=None)
+    assert type(opt) is torch.optim.AdamW
+    ts.unwrap(model)
