@@ -16,7 +16,17 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 RUN=/tmp/trainstream-table; LIMIT=${LIMIT:-570}; t0=$(date +%s)
 PY=${PY:-python3}
-collect() { cp -r "$RUN"/. "$OUT"/ 2>/dev/null || true; }
+# What comes back (the device returns at most 8 files a call): the results and the progress, newest JSON first; the
+# set-up logs only when the build failed (they stay in $RUN; `NO_SETUP=1`-style dry runs see them there).
+collect() {
+  local f n=0
+  rm -f "$OUT"/*.json "$OUT"/*.md "$OUT"/*.log "$OUT"/table.err  # (what an earlier collect left: the newest only)
+  for f in "$RUN"/progress.log "$RUN"/round-*.log; do [[ -f $f ]] && cp "$f" "$OUT"/ && n=$((n + 1)); done
+  for f in $(ls -t "$RUN"/*.json "$RUN"/round/*.json "$RUN"/*.md 2>/dev/null); do
+    (( n < 7 )) && cp "$f" "$OUT"/ && n=$((n + 1))
+  done
+  [[ -f $RUN/table.err ]] && tail -50 "$RUN/table.err" > "$OUT/table.err"
+}
 running() { [[ -f $RUN/pid ]] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
 
 if [[ ${1:-} == start ]]; then
@@ -33,7 +43,8 @@ if [[ ${1:-} == start ]]; then
       .whl-unsloth/*.whl > "$RUN/wheels-unsloth.log" 2>&1 && export TRAINSTREAM_UNSLOTH_SITE=/tmp/unsloth-site
   fi
   TRAINSTREAM_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 \
-    $PY setup.py -q build_ext --inplace > "$RUN/build.log" 2>&1 || { tail -30 "$RUN/build.log"; collect; exit 1; }
+    $PY setup.py -q build_ext --inplace > "$RUN/build.log" 2>&1 || { tail -30 "$RUN/build.log"; cp "$RUN"/*.log "$OUT"/
+      exit 1; }
   fi
   printf '%s\n' "${TABLES:---shape llama3.1-8b}" > "$RUN/tables"
   setsid bash -c '
