@@ -202,3 +202,25 @@ def test_nothing_to_delay_warns():
                              offload_optimizer=False, vram_budget="64GiB", host_arena=None)
     assert type(opt) is torch.optim.AdamW
     ts.unwrap(model)
+
+
+def test_resume_from_a_saved_pair_continues_as_the_uninterrupted_run():
+    """Model and optimizer saved together (the model's state_dict publishes the pending update, as a Trainer checkpoint
+    does) and loaded into a fresh wrapped pair: the next steps are the uninterrupted run's, with the delay restarting
+    from the saved masters (nothing pending from before the load is ever applied)."""
+    init = _llama()
+    a = copy.deepcopy(init)
+    a, oa = ts.wrap(a, torch.optim.AdamW(a.parameters(), **HP), **STALE)
+    _train(a, oa, 3)
+    model_sd = {k: v.clone() for k, v in a.state_dict().items()}  # publishes
+    opt_sd = copy.deepcopy(oa.state_dict())
+    b = _llama(seed=9)
+    b, ob = ts.wrap(b, torch.optim.AdamW(b.parameters(), **HP), **STALE)
+    _train(b, ob, 2)  # its own pending update, which the load must drop
+    b.load_state_dict(model_sd)
+    ob.load_state_dict(opt_sd)
+    la, lb = _train(a, oa, 3), _train(b, ob, 3)
+    assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    ts.unwrap(a)
+    ts.unwrap(b)
+    assert max_param_diff(a, b) == 0.0

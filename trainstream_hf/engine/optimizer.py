@@ -944,6 +944,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slot.step.fill_(float(st["step"]))
         if "master" in st:
             slot.master.copy_(st["master"].reshape(-1))
+            slot.unpublished = False  # (a delayed update of the state replaced is dropped with it)
         else:
             slot.read_param()
 
