@@ -154,7 +154,7 @@ class ActivationOffloader(BlockListener):
         self._param_ptrs: tuple[int, set[int]] = (-1, set())
         self._block_tensors: dict[int, tuple[torch.Tensor, ...]] = {}
         self._stats = {"offloaded": 0, "d2h_bytes": 0, "h2d_bytes": 0, "deduplicated": 0, "kept_small": 0,
-                       "kept_layout": 0, "casts_elided": 0, "cast_bytes_elided": 0}
+                       "kept_small_bytes": 0, "kept_layout": 0, "casts_elided": 0, "cast_bytes_elided": 0}
         self.closed = False
         hooks.add(self)
 
@@ -164,7 +164,7 @@ class ActivationOffloader(BlockListener):
 
     def stats(self) -> dict:
         """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, tensors
-        kept on the device for being small or not dense, and widened copies saved as their source (count and
+        kept on the device for being small (and their bytes) or not dense, and widened copies saved as their source (count and
         bytes not held); ``live``: offloaded tensors of this step that autograd still holds."""
         live = {id(r) for refs in self._records.values() for ref in refs if (r := ref()) is not None}
         return dict(self._stats, live=len(live))
@@ -226,6 +226,7 @@ class ActivationOffloader(BlockListener):
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or nbytes == 0:
             self._stats["kept_small"] += 1
+            self._stats["kept_small_bytes"] += nbytes  # (views of one storage counted each: an upper bound)
             return None
         if _is_parameter(t) or (t.is_leaf and t.requires_grad) or _is_parameter(t._base):
             return None
