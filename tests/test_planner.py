@@ -626,3 +626,26 @@ def test_a_plan_fills_its_budget_when_it_pages_steps_state_on_the_device_or_is_t
     need = loose.predicted_peak() + loose.margin
     assert _plan(model, vram_budget=int(need / planner.FILLS_BUDGET) - 1024).fills_budget()
     assert not _plan(model, vram_budget=int(need / planner.FILLS_BUDGET) + 1024).fills_budget()
+
+
+def test_recompute_buys_device_share_when_the_optimizer_outlasts_the_forwards():
+    """A full fine-tune whose optimizer step is bound by the CPU AdamW: checkpointing blocks frees their activations
+    for resident optimizer state (no CPU or PCIe time) when a forward is cheap against the work it takes off the CPU;
+    not when forwards are dear, nor with recompute=False, nor without a measured forward time."""
+    model = _llama(layers=8)
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, grads="device", optimizer_resident=True,
+              optimizer_streamed=False, batch_shape=(1, 256))
+    base = _plan(model, **{**kw, "optimizer_resident": False})
+    # room for every block's activations and a quarter of the offloaded state resident
+    budget = int((base.predicted_peak() + base.margin + 3 * base.offload_numel) / (1 - planner.DEVICE_SHARE_RESERVE))
+    slow_cpu = base.offload_numel / 1.0  # the CPU share takes ~1 s
+    cheap = _plan(model, vram_budget=budget, forward_seconds=1e-6, cpu_adam_pps=slow_cpu, **kw)
+    plain = _plan(model, vram_budget=budget, forward_seconds=1e-6, cpu_adam_pps=slow_cpu, recompute=False, **kw)
+    assert not plain.recomputed_blocks and 0 < plain.resident_numel < plain.offload_numel
+    assert cheap.recomputed_blocks and cheap.resident_numel > plain.resident_numel and cheap.fits()
+    assert cheap.predicted_step_floor() + cheap.recompute_seconds() < 0.95 * plain.predicted_step_floor()
+    assert all(b.activations == "device" for b in cheap.blocks if b.index not in cheap.recomputed_blocks)
+    dear = _plan(model, vram_budget=budget, forward_seconds=10.0, cpu_adam_pps=slow_cpu, **kw)
+    assert not dear.recomputed_blocks and dear.resident_numel == plain.resident_numel
+    unknown = _plan(model, vram_budget=budget, cpu_adam_pps=slow_cpu, **kw)
+    assert not unknown.recomputed_blocks
