@@ -147,6 +147,33 @@ def test_overlapped_step_on_cuda_matches_torch(grads):
     assert _max_diff_after_20_steps(ref, ref_opt, model, opt) < 1e-6
 
 
+@pytest.mark.parametrize("accum,staleness", [(2, 0), (2, 1), (1, 1)])
+def test_accumulation_and_stale_steps_on_cuda_match_torch(accum, staleness):
+    """Two micro-batches per step (the plan counts the gradients beside the second forward, so step() returns before
+    their copies to the host are done), and the opt-in delayed update (the CPU share's update lands a step late): the
+    masters stay exact AdamW over the gradients each step delivered, as torch.optim.AdamW given the same ones."""
+    ref = _llama(torch.float32)
+    model = copy.deepcopy(ref)
+    ref_opt = CpuAdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, opt = ts.wrap(model, opt, offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB",
+                         page_weights=False, offload_activations=False, grads="device",
+                         gradient_accumulation_steps=accum, optimizer_staleness=staleness)
+    assert opt.overlap_step and opt.grads_fit_forward == (accum > 1) and opt.staleness == staleness
+    for s in range(20):
+        for k in range(accum):
+            ids = _ids(accum * s + k)
+            (model(input_ids=ids, labels=ids).loss / accum).backward()
+        for r, q in zip(ref.parameters(), model.parameters()):
+            r.grad = None if q.grad is None else q.grad.detach().clone()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    ts.unwrap(model)  # the masters, a delayed update included
+    assert max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters())) < 1e-6
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_full_finetune_gradients_bit_exact_cuda(paged):
     """Before any optimizer arithmetic: with device gradients, a wrapped full fine-tune's gradients equal the plain
