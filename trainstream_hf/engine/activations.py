@@ -164,8 +164,8 @@ class ActivationOffloader(BlockListener):
 
     def stats(self) -> dict:
         """Cumulative counters: tensors offloaded, bytes each way, saves served by an earlier copy, tensors
-        kept on the device for being small (and their bytes) or not dense, and widened copies saved as their source (count and
-        bytes not held); ``live``: offloaded tensors of this step that autograd still holds."""
+        kept on the device for being small (and their bytes) or not dense, and widened copies saved as their source
+        (count and bytes not held); ``live``: offloaded tensors of this step that autograd still holds."""
         live = {id(r) for refs in self._records.values() for ref in refs if (r := ref()) is not None}
         return dict(self._stats, live=len(live))
 
