@@ -333,3 +333,25 @@ def test_auto_compiles_only_on_cuda_with_triton():
     from trainstream_hf.engine.compiled import inductor_usable
     assert not inductor_usable(torch.device("cpu"))
     ts.unwrap(model)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_compiled_no_grad_forward_keeps_the_hooks_out_unless_weights_are_paged(paged):
+    """torch.compile over the whole wrapped model, no grad (a compiled generation step): with every weight on the
+    device the engine's block hooks stand aside (one graph, no break); with paged weights they are traced as before,
+    the pager running at the graph breaks. Either way the logits are eager's."""
+    from torch._dynamo.utils import counters
+
+    model = _llama()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    model, _ = ts.wrap(model, None, device="cpu", vram_budget="8GiB", host_arena=None, page_weights=paged,
+                       min_offload_numel=0)
+    assert bool(model.trainstream_plan.paged_blocks) == paged
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(model, backend="eager")(input_ids=ids).logits
+    assert torch.equal(out, ref)
+    assert bool(counters["graph_break"]) == paged, dict(counters["graph_break"])
+    ts.unwrap(model)

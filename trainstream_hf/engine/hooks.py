@@ -93,8 +93,8 @@ class BlockListener:
 
     #: lower packs first
     pack_priority: int = 100
-    #: a no-grad forward traced by torch.compile (a compiled generation step) skips the block hooks: a listener that
-    #: must act there (weight paging) sets this, and such a trace raises instead
+    #: a no-grad forward traced by torch.compile (a compiled generation step) skips the block hooks, unless a listener
+    #: must act there (weight paging) and sets this
     needed_when_compiled: bool = False
 
     def step_start(self) -> None:
@@ -210,14 +210,7 @@ class BlockHooks:
 
     # -- module hooks ---------------------------------------------------------------------------
     def _pre(self, i: int, module: nn.Module, args) -> None:
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
-            # A compiled no-grad forward (generation with a static cache, replayed as CUDA graphs): the hooks would be
-            # traced once and not run at replay, so they stand aside; nothing is saved, and with every weight on the
-            # device nothing needs to move. A pager must move weights: such a forward cannot be compiled.
-            if any(listener.needed_when_compiled for listener in self._listeners):
-                raise RuntimeError("trainstream_hf: a compiled no-grad forward (e.g. generate() with a static cache "
-                                   "and torch.compile) cannot page block weights; keep every block's weights on the "
-                                   "device (a larger vram_budget) or generate without compilation")
+        if self._stand_aside():
             return
         if in_backward():
             # Checkpoint recomputation with the module hooks inside the checkpoint: its context must stay
@@ -248,8 +241,16 @@ class BlockHooks:
             ctx.__enter__()
         self._frames.append(_Frame(i, ctx, pack))
 
+    def _stand_aside(self) -> bool:
+        """A no-grad forward traced by torch.compile (generation with a static cache, replayed as CUDA graphs): the
+        hooks would run once, at tracing, not at each replay, and with nothing saved and every weight on the device
+        they have nothing to do, so they stay out of the graph. With a pager they are traced as before (dynamo breaks
+        the graph around what it cannot trace, and that part runs eagerly at every call)."""
+        return torch.compiler.is_compiling() and not torch.is_grad_enabled() and \
+            not any(listener.needed_when_compiled for listener in self._listeners)
+
     def _post(self, i: int, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        if self._stand_aside():
             return  # (see _pre)
         if not self._frames or self._frames[-1].block != i:
             return  # our pre-hook did not finish (something before it raised): nothing to undo
