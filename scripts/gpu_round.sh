@@ -8,7 +8,7 @@
 #                                                                   engine_full_accum8 (no DeepSpeed row)
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
 #                                                                   recipe_8b_full engine_full_8b micro align_8b_compiled gen_tests
-#                                                                   wrap_tests
+#                                                                   wrap_tests compile_tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -52,6 +52,8 @@ for s in "$@"; do case $s in
       cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
   gen_tests) run 300 gen_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compiled_generation_cuda.py \
       tests/gpu/test_cache_cuda.py ;;
+  compile_tests) TS_TEST_COMPILE_BLOCKS=auto CUBLAS_WORKSPACE_CONFIG=:4096:8 run 580 compile_tests python3 -m pytest -q \
+      -p no:cacheprovider tests/gpu ;;  # the GPU suite as it would run with compile_blocks='auto' the default
   wrap_tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 300 wrap_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_wrap_cuda.py tests/gpu/test_optimizer_in_backward_cuda.py tests/gpu/test_plan_cuda.py ;;
   adamw_tests) run 120 adamw_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_adamw_cuda.py \

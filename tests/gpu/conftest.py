@@ -1,3 +1,6 @@
+import importlib
+import os
+
 import pytest
 import torch
 
@@ -11,3 +14,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def _compile_blocks_default(monkeypatch):
+    """``TS_TEST_COMPILE_BLOCKS=auto`` (or True, or a backend): every wrap() and plan() of the GPU tests that does not
+    choose compile_blocks itself gets this value instead of the default, so the suite can be run as it would be with
+    another default (scripts/gpu_round.sh compile_tests)."""
+    value = os.environ.get("TS_TEST_COMPILE_BLOCKS")
+    if not value:
+        yield
+        return
+    from trainstream_hf.config import parse_value
+
+    wrap_mod = importlib.import_module("trainstream_hf.wrap")  # (the package's `wrap` is the function)
+
+    real = wrap_mod._configure
+
+    def configure(model, optimizer, config, options):
+        if "compile_blocks" not in options and (config is None or config.compile_blocks is False):
+            options = {**options, "compile_blocks": parse_value(value)}
+        return real(model, optimizer, config, options)
+
+    monkeypatch.setattr(wrap_mod, "_configure", configure)
+    yield
