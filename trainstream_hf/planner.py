@@ -911,9 +911,9 @@ def _recompute_for_device_share(pl: Plan, before: Plan, candidates, share: dict)
     best, best_cost = pl, cost(pl)
     n = len(takers)
     for k in sorted({max(1, n * q // 4) for q in (1, 2, 3, 4)}):
-        alt = copy.deepcopy(before)
+        alt, chosen = copy.deepcopy(before), set(takers[:k])
         for b in alt.blocks:
-            if b.index in takers[:k]:
+            if b.index in chosen:
                 b.activations = "recompute"
         _device_share(alt, candidates, **share)
         if alt.fits() and cost(alt) < RECOMPUTE_GAIN * best_cost:

@@ -31,6 +31,17 @@ def _batch(step, b=2, t=16):
     return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(1000 + step))
 
 
+def _micro_batches(model, step, accumulation, losses, max_norm):
+    """One step's forwards and backwards (the loss scaled per micro-batch), then the clip if any."""
+    for k in range(accumulation):
+        ids = _batch(step * accumulation + k)
+        loss = model(input_ids=ids, labels=ids).loss / accumulation
+        loss.backward()
+        losses.append(loss.detach().clone())
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def _reference(init, steps, accumulation=1, max_norm=None):
     """Delayed AdamW by hand: forward/backward on ``model``; at each step the previous update is copied in, then
     torch's AdamW steps the masters with this step's gradients. Returns (model, masters, losses)."""
@@ -39,13 +50,7 @@ def _reference(init, steps, accumulation=1, max_norm=None):
     sched = get_linear_schedule_with_warmup(opt, 3, steps)
     pending, losses = None, []
     for s in range(steps):
-        for k in range(accumulation):
-            ids = _batch(s * accumulation + k)
-            loss = model(input_ids=ids, labels=ids).loss / accumulation
-            loss.backward()
-            losses.append(loss.detach().clone())
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        _micro_batches(model, s, accumulation, losses, max_norm)
         if pending is not None:
             with torch.no_grad():
                 for p, v in zip(model.parameters(), pending):
@@ -63,13 +68,7 @@ def _train(model, opt, steps, accumulation=1, max_norm=None):
     sched = get_linear_schedule_with_warmup(opt, 3, steps)
     losses = []
     for s in range(steps):
-        for k in range(accumulation):
-            ids = _batch(s * accumulation + k)
-            loss = model(input_ids=ids, labels=ids).loss / accumulation
-            loss.backward()
-            losses.append(loss.detach().clone())
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        _micro_batches(model, s, accumulation, losses, max_norm)
         opt.step()
         sched.step()
         opt.zero_grad()

@@ -79,11 +79,18 @@ class TrainStreamGRPOConfig(GRPOConfig, TrainStreamTrainingArguments):
 
 
 # -- shared machinery -------------------------------------------------------------------------------------------
+def _engines(model: nn.Module) -> Iterator:
+    """The engines installed on ``model`` and on its PEFT base model (wrap may have been given either)."""
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        engine = engine_of(m) if m is not None else None
+        if engine is not None:
+            yield engine
+
+
 def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
     """compiled_generation with paged block weights: the traced decode step cannot fetch them; eager, said once."""
-    for m in (policy, getattr(policy, "get_base_model", lambda: None)()):
-        engine = engine_of(m) if m is not None else None
-        if engine is not None and engine.plan is not None and engine.plan.paged_blocks:
+    for engine in _engines(policy):
+        if engine.plan is not None and engine.plan.paged_blocks:
             warnings.warn(f"compiled_generation: the plan pages {len(engine.plan.paged_blocks)} blocks' weights, which "
                           "a compiled decode step cannot fetch; generating eagerly (a larger vram_budget keeps every "
                           "block on the device)", RuntimeWarning, stacklevel=3)
@@ -94,9 +101,8 @@ def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
 def _synchronize_engines(model: nn.Module) -> None:
     """Waits for the engine's overlapped CPU optimizer step. The model's top-level forward hook does that wait, and
     ``losses`` (decoder and head called directly) and ``generate`` bypass it."""
-    for m in (model, getattr(model, "get_base_model", lambda: None)()):
-        engine = engine_of(m) if m is not None else None
-        if engine is not None and hasattr(engine.optimizer, "synchronize"):
+    for engine in _engines(model):
+        if hasattr(engine.optimizer, "synchronize"):
             engine.optimizer.synchronize()
 
 
