@@ -50,8 +50,8 @@ for s in "$@"; do case $s in
   recipe_70b) run 200 recipe_70b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
       --config configs/llama3-70b-lora-nf4-24gib.yaml --train.steps 6 --output_dir /tmp/sft70b
       cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
-  gen_tests) run 300 gen_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compiled_generation_cuda.py \
-      tests/gpu/test_cache_cuda.py ;;
+  gen_tests) run 300 gen_tests python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_compiled_generation_cuda.py \
+      tests/gpu/test_cache_cuda.py tests/gpu/test_trl_online_dpo_cuda.py ;;
   compile_tests) TS_TEST_COMPILE_BLOCKS=auto CUBLAS_WORKSPACE_CONFIG=:4096:8 run 580 compile_tests python3 -m pytest -q \
       -p no:cacheprovider tests/gpu ;;  # the GPU suite as it would run with compile_blocks='auto' the default
   wrap_tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 300 wrap_tests python3 -m pytest -q -p no:cacheprovider \
