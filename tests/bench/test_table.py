@@ -158,6 +158,49 @@ def test_model_flops_count_every_linear_weight_and_causal_attention():
     assert lora_step_flops("llama3.1-8b", batch, seq) == want
 
 
+def test_a_models_own_config_is_a_shape(tmp_path, capsys):
+    """--shape takes a config.json (or its folder) of any family: the rows build that shape with random weights, the
+    result file is named after the model's folder, and the model FLOPs count that model's own linear layers."""
+    from transformers import Phi3Config
+
+    from trainstream_hf.bench.models import build_model, lora_step_flops, model_config, shape_label
+
+    folder = tmp_path / "Phi-3-Tiny"
+    Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=256, pad_token_id=0).save_pretrained(folder)
+    for spec in (str(folder), str(folder / "config.json")):
+        cfg = model_config(spec)
+        assert cfg.model_type == "phi3" and cfg.use_cache is False and shape_label(spec) == "phi-3-tiny"
+    # Phi-3 fuses q/k/v and gate/up: the count is the model's own layers, not a Llama formula
+    model = build_model(str(folder), device="meta")
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    adapters = sum(16 * (m.in_features + m.out_features) for m in blocks)
+    assert lora_step_flops(str(folder), 1, 32) == 4 * 32 * linear + 6 * 32 * adapters + 3 * 2 * 2 * 32 * 32 * 64
+    main(["table", "--quick", "--shape", str(folder / "config.json"), "--peers", "ts_nf4,peft",
+          "--vram-budget-gib", "0", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "table-phi-3-tiny-cpu-quick.json").read_text())
+    assert [r["status"] for r in payload["results"]] == ["ok", "ok"]
+    assert payload["results"][0]["losses"][0] == pytest.approx(payload["results"][1]["losses"][0], abs=0.05)
+
+
+@pytest.mark.parametrize("shape", ["llama-9000", "/no/such/config.json"])
+def test_an_unknown_shape_is_one_line_naming_the_choices(shape, capsys):
+    with pytest.raises(SystemExit):
+        main(["table", "--quick", "--shape", shape])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainstream_hf.bench: error: --shape: unknown shape") and "llama3.1-8b" in err
+
+
+def test_a_file_that_is_not_a_config_is_refused_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "notes.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        main(["engine", "--quick", "--full-shape", str(bad)])
+    err = capsys.readouterr().err
+    assert "error: --full-shape: shape " in err and "not a transformers model config" in err
+
+
 def test_mfu_is_reported_only_where_the_peak_is_known():
     from trainstream_hf.bench.common import peak_bf16_flops
 

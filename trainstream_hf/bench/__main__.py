@@ -18,6 +18,7 @@ import torch
 
 from trainstream_hf.bench import common
 from trainstream_hf.bench.cache import ROWS as CACHE_ROWS
+from trainstream_hf.bench.models import SHAPES, model_config, shape_label
 from trainstream_hf.bench.host import ROWS as HOST_ROWS
 from trainstream_hf.bench.table import ROWS as TABLE_ROWS
 
@@ -32,10 +33,11 @@ def main(argv=None) -> None:
     parser.add_argument("--name", default=None, help="JSON file name without .json")
     peers = parser.add_argument_group("peers, engine and quant suites")
     peers.add_argument("--shape", default=None,
-                       help="LoRA/QLoRA model shape; quant: the block whose linear layers are timed "
-                            "(default llama3-8b; tiny if --quick)")
+                       help="LoRA/QLoRA model shape: one of " + ", ".join(sorted(SHAPES)) + ", or the path of a "
+                            "model's config.json (or its folder; random weights of that shape); quant: the block "
+                            "whose linear layers are timed (default llama3-8b; tiny if --quick)")
     peers.add_argument("--full-shape", default=None,
-                       help="full fine-tune model shape (default llama3.2-3b; tiny if --quick)")
+                       help="full fine-tune model shape, as --shape (default llama3.2-3b; tiny if --quick)")
     peers.add_argument("--batch", type=int, default=1, help="sequences per step")
     peers.add_argument("--seq", type=int, default=None,
                        help="tokens per sequence (default 2048; 64 if --quick or --shape tiny)")
@@ -78,6 +80,12 @@ def main(argv=None) -> None:
         parser.error(f"--profile {args.profile}: give a number of steps >= 1 (0: no profile)")
     if args.trace and not args.profile:
         parser.error("--trace writes the traces of --profile's steps: give --profile N too")
+    for option, shape in (("--shape", args.shape), ("--full-shape", args.full_shape)):
+        if shape is not None:
+            try:
+                model_config(shape)
+            except ValueError as e:
+                parser.error(f"{option}: {e}")
     known = {"table": TABLE_ROWS, "host": HOST_ROWS, "cache": CACHE_ROWS}.get(args.suite)
     unknown = [r for r in (args.peers or "").split(",") if r and known is not None and r not in known]
     if unknown:
@@ -90,7 +98,7 @@ def main(argv=None) -> None:
     where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
         if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
     suite = "sqnr-minilm" if args.suite == "sqnr" else "table-longest" if args.longest else args.suite
-    shaped = f"-{args.shape}" if args.suite == "table" and args.shape else ""  # one file per shape of the table
+    shaped = f"-{shape_label(args.shape)}" if args.suite == "table" and args.shape else ""  # one file per shape of the table
     name = args.name or f"{suite}{shaped}-{where}{'-quick' if args.quick else ''}"
 
     def on_row(partial: dict) -> None:  # each measured row reaches the JSON at once (a timed-out run keeps it)

@@ -1,9 +1,13 @@
 """Random-weight causal LMs of published shapes, built straight on the target device, and random batches.
 
 The shape table is the only per-model knowledge: name -> transformers config kwargs (``model_type`` picks
-the config class). Weights are random; the benchmarks measure time and memory, not loss.
+the config class); any other model's config.json serves as a shape too (:func:`model_config`). Weights are random;
+the benchmarks measure time and memory, not loss.
 """
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -43,18 +47,45 @@ SHAPES: dict[str, dict] = {
 
 
 def model_config(shape: str) -> PretrainedConfig:
-    """The transformers config of a shape from :data:`SHAPES` (training settings: no KV cache).
+    """The transformers config of a shape (training settings: no KV cache).
 
     Args:
-        shape: a key of :data:`SHAPES`.
+        shape: a key of :data:`SHAPES`, or a model of your own: a transformers config.json (a Hub checkpoint's), a
+            folder holding one, or a JSON file of config kwargs with ``model_type`` (as under ``configs/models/``).
+            Only the shape is read; the weights are random.
 
     Returns:
         A fresh config object (safe to modify).
+
+    Raises:
+        ValueError: neither a known name nor a readable config (the message lists the names).
     """
-    if shape not in SHAPES:
-        raise KeyError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
-    kwargs = dict(SHAPES[shape])
-    return AutoConfig.for_model(kwargs.pop("model_type"), use_cache=False, **kwargs)
+    if shape in SHAPES:
+        kwargs = dict(SHAPES[shape])
+        return AutoConfig.for_model(kwargs.pop("model_type"), use_cache=False, **kwargs)
+    if not os.path.exists(shape):
+        raise ValueError(f"unknown shape {shape!r}: name one of {', '.join(sorted(SHAPES))}, or give the path of a "
+                         "model's config.json (or of a folder holding one)")
+    from trainstream_hf.train.model import model_config as read_config
+
+    try:
+        config = read_config(shape)
+    except Exception as e:  # a config transformers cannot read: one line, which file and why
+        raise ValueError(f"shape {shape!r}: not a transformers model config ({type(e).__name__}: {e})") from None
+    config.use_cache = False
+    return config
+
+
+def shape_label(shape: str) -> str:
+    """A name for ``shape`` in result file names: the name itself, or for a config path the name of the model's folder
+    (``.../Qwen3-8B/config.json`` -> ``qwen3-8b``) or file (``configs/models/llama3-8b.json`` -> ``llama3-8b``)."""
+    if shape in SHAPES:
+        return shape
+    path = os.path.normpath(os.path.abspath(shape))
+    if os.path.basename(path) == "config.json":
+        path = os.path.dirname(path)
+    name = os.path.splitext(os.path.basename(path))[0] if os.path.isfile(path) else os.path.basename(path)
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
 
 
 def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
@@ -67,7 +98,7 @@ def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str | t
     or through fp32.
 
     Args:
-        shape: a key of :data:`SHAPES`.
+        shape: a key of :data:`SHAPES` or a config path (:func:`model_config`).
         dtype: parameter dtype (bf16 for frozen bases, fp32 for fp32-master full fine-tuning).
         device: where to build; ``"meta"`` builds without memory (for counting parameters).
         seed: seeds torch's generators before initialisation, so two builds are equal.
@@ -115,16 +146,18 @@ def lora_step_flops(shape: str, batch: int, seq: int, r: int = 16) -> float:
     two products (``QK^T`` and ``PV``, half of the square each: ``2 * seq^2 * heads * head_dim`` per layer and
     sequence). Backward: the frozen linear layers need only their input gradient (1x their forward), attention its
     three operands' gradients (2x), the adapters their input and weight gradients (2x): in all 2x the linear layers'
-    forward, 3x attention's, and ``6 * tokens`` per adapter parameter.
+    forward, 3x attention's, and ``6 * tokens`` per adapter parameter. The linear layers are the model's own, built
+    without memory, so any family counts alike; every attention layer is counted as full causal attention.
     """
     cfg = model_config(shape)
-    d, ff, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or d // heads
-    # (in, out) of the seven projections of a block: q, k, v, o, gate, up, down
-    shapes = [(d, heads * hd), (d, kv * hd), (d, kv * hd), (heads * hd, d), (d, ff), (d, ff), (ff, d)]
+    model = build_model(shape, device="meta")
+    out = model.get_output_embeddings()
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out]
+    linear = sum(m.in_features * m.out_features for m in blocks) + (out.in_features * out.out_features
+                                                                     if isinstance(out, torch.nn.Linear) else 0)
+    adapters = sum(r * (m.in_features + m.out_features) for m in blocks)
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     tokens = batch * seq
-    linear_fwd = 2 * tokens * (layers * sum(i * o for i, o in shapes) + d * vocab)
     attention_fwd = layers * batch * 2 * seq * seq * heads * hd
-    adapters = layers * sum(r * (i + o) for i, o in shapes)
-    return float(2 * linear_fwd + 3 * attention_fwd + 6 * tokens * adapters)
+    return float(2 * 2 * tokens * linear + 3 * attention_fwd + 6 * tokens * adapters)
