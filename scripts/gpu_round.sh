@@ -85,7 +85,13 @@ for s in "$@"; do case $s in
   align_8b_compiled) run 400 align_8b_grpo_compiled accelerate launch --config_file configs/accelerate/single_gpu.yaml \
         recipes/grpo.py --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.generation_cache null \
         --grpo.compiled_generation true --train.steps 4 --output_dir /tmp/grpo-compiled
-      cp /tmp/grpo-compiled/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-$GPU-$SHA.json" 2>/dev/null ;;
+      cp /tmp/grpo-compiled/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-$GPU-$SHA.json" 2>/dev/null
+      # compiled through the config's TrainStreamCache (static: half the layers' K/V in host pages)
+      run 400 align_8b_grpo_compiled_cache accelerate launch --config_file configs/accelerate/single_gpu.yaml \
+        recipes/grpo.py --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.compiled_generation true \
+        --train.steps 4 --output_dir /tmp/grpo-compiled-cache
+      cp /tmp/grpo-compiled-cache/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-cache-$GPU-$SHA.json" \
+        2>/dev/null ;;
   engine_full_8b) run 580 engine_full_8b $B engine --peers ds3,ts_full_bf16m --full-shape llama3-8b --warmup 1 --repeats 3 \
       --out "$OUT" --name "engine-full-8b-$GPU-$SHA" ;;
   recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \

@@ -131,8 +131,6 @@ def test_full_fine_tune_without_kl(grpo, tmp_path):
     (["--eval.max_new_tokens", "30"], ConfigError, r"plus eval\.max_new_tokens=30 is \d+ > 32"),
     (["--data.train_file", "nope.jsonl"], FileNotFoundError, r"data\.train_file: no such file 'nope\.jsonl'"),
     (["--device", "cuda:1"], ConfigError, r"device='cuda:1'"),
-    (["--grpo.compiled_generation", "true", "--grpo.generation_cache", "0.5"], ConfigError,
-     r"compiled_generation decodes with transformers' static cache; generation_cache=0\.5"),
     (["--grpo.compiled_generation", "true", "--trainer", "trl"], ConfigError,
      r"grpo\.compiled_generation is trainstream's trainer's"),
 ])

@@ -151,14 +151,21 @@ class _PagedLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, resident: bool, sliding_window: int | None = None):
+    def __init__(self, resident: bool, sliding_window: int | None = None, static_len: int | None = None):
         super().__init__()
         self.resident = resident
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
-        self.length = 0
+        self.length = 0  # tokens held (static resident layers: see cumulative_length)
         self.k: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
         self.v: torch.Tensor | None = None
+        # static (PagedKVCache(static=True)): the whole capacity is returned and masked, as StaticLayer does; the
+        # token count is a device tensor so that a compiled decode step reads it without a guard or a host sync
+        self.static_len = static_len
+        self.is_compileable = static_len is not None
+        self.cumulative_length: torch.Tensor | None = None
+        self.k_hm: torch.Tensor | None = None  # static resident layers: the [batch, kv_heads, capacity, head_dim]
+        self.v_hm: torch.Tensor | None = None  # buffers behind k / v
 
     def start(self) -> int:
         """First cached token the next query sees (the window start for sliding layers)."""
@@ -171,14 +178,24 @@ class _PagedLayer(CacheLayerMixin):
         raise RuntimeError("PagedKVCache layers are updated through PagedKVCache.update(..., layer_idx)")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.static_len is not None:
+            return self.static_len, 0
         start = self.start()
         return self.length - start + query_length, start
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        if self.static_len is not None:
+            return self.cumulative_length if self.is_initialized else 0
         return self.length
 
     def get_max_length(self) -> int:
-        return -1  # grows in chunks
+        return -1 if self.static_len is None else self.static_len  # dynamic: grows in chunks
+
+    def tokens(self) -> int:
+        """Tokens held, as a Python int (a host sync for a static resident layer)."""
+        if self.static_len is not None and self.resident:
+            return int(self.cumulative_length) if self.is_initialized else 0
+        return self.length
 
 
 class PagedKVCache(Cache):
@@ -200,17 +217,25 @@ class PagedKVCache(Cache):
         arena: host arena for the pages (default: a pinned arena of the cache's own on CUDA, plain CPU
             tensors on the CPU).
         streams: transfer streams of the compute device (default: the cache's own).
+        static: a fixed capacity of ``max_cache_len`` tokens (required), every layer returning all of it with
+            the unused positions masked, as transformers' StaticCache does, so that ``generate()`` can compile
+            the decode step (``disable_compile=False``; CUDA graphs on a GPU). Resident layers are updated
+            inside the compiled graph; each offloaded layer's update runs between graphs (a graph break: its
+            copies are issued from Python; ``torch._dynamo.config.recompile_limit`` is raised to twice the layers
+            plus 8, as the frames around each break compile once per layer). The tokens are StaticCache's. Full
+            attention layers only.
 
     Raises:
         ValueError: no decoder layers, an unsupported layer type (linear attention, encoder-decoder), or
-            a bad ``resident`` / ``slots`` / ``prefetch`` / ``chunk``.
+            a bad ``resident`` / ``slots`` / ``prefetch`` / ``chunk``; ``static`` without ``max_cache_len``
+            or with sliding / chunked attention layers.
     """
 
     max_cache_len: int | None = None  # shadows 5.17's read-only Cache.max_cache_len property (see the shims)
 
     def __init__(self, model, *, resident: float = 0.0, resident_layers: int | None = None,
                  max_cache_len: int | None = None, chunk: int = 256, slots: int = 2, prefetch: int = 1,
-                 arena: HostArena | None = None, streams: TransferStreams | None = None):
+                 arena: HostArena | None = None, streams: TransferStreams | None = None, static: bool = False):
         config = model if isinstance(model, PreTrainedConfig) else getattr(model, "config", None)
         if not isinstance(config, PreTrainedConfig):
             raise ValueError(f"PagedKVCache: {type(model).__name__} is not a transformers model or config")
@@ -239,11 +264,27 @@ class PagedKVCache(Cache):
                              f"needs a slot besides the running one), got slots={slots}, prefetch={prefetch}")
         if chunk < 1 or (max_cache_len is not None and max_cache_len < 1):
             raise ValueError(f"PagedKVCache: chunk and max_cache_len must be >= 1, got {chunk}, {max_cache_len}")
+        if static and max_cache_len is None:
+            raise ValueError("PagedKVCache(static=True) needs max_cache_len: the prompt's tokens plus the most new "
+                             "tokens generated (its buffers are allocated once, at that size)")
+        if static and any(t in _SLIDING for t in types):
+            raise ValueError("PagedKVCache(static=True) supports full attention layers only; this model has sliding "
+                             "or chunked attention layers: use static=False (the default)")
         layers = [_NoCacheLayer() if t == "dummy" else
-                  _PagedLayer(i not in offloaded, kw.get("sliding_window") if t in _SLIDING else None)
+                  _PagedLayer(i not in offloaded, kw.get("sliding_window") if t in _SLIDING else None,
+                              max_cache_len if static else None)
                   for i, (t, kw) in enumerate(zip(types, kwargs))]
         super().__init__(layers=layers)
         self.offloaded_layers = offloaded
+        self.static = bool(static)
+        if self.static and offloaded:
+            # Each offloaded layer's update breaks a compiled decode step's graph, and the frames around the break
+            # (the attention and decoder layer forwards) are then compiled once per layer: let dynamo keep them all.
+            import torch._dynamo
+
+            need = 2 * len(layers) + 8
+            if torch._dynamo.config.recompile_limit < need:
+                torch._dynamo.config.recompile_limit = need
         self.num_slots, self.num_prefetch, self.chunk, self.max_cache_len = slots, prefetch, chunk, max_cache_len
         self._arena, self._own_arena = arena, arena is None
         self._streams, self._own_streams = streams, streams is None
@@ -277,6 +318,15 @@ class PagedKVCache(Cache):
         self._check_input(key_states, value_states)
         if not layer.is_initialized:
             self._init_layer(layer, key_states, value_states)
+        if self.static:
+            if layer.resident:  # traced into a compiled decode step: tensor ops on fixed buffers only
+                with torch.no_grad():
+                    pos = torch.arange(key_states.shape[-2], device=self._device) + layer.cumulative_length
+                    layer.k_hm.index_copy_(2, pos, key_states)
+                    layer.v_hm.index_copy_(2, pos, value_states)
+                    layer.cumulative_length.add_(key_states.shape[-2])
+                return layer.k_hm, layer.v_hm
+            return self._update_offloaded_static(layer_idx, key_states, value_states)
         q, n = key_states.shape[-2], layer.length
         if n + q > self.capacity:
             self._grow(n + q)
@@ -294,18 +344,45 @@ class PagedKVCache(Cache):
             self._prefetch_after(layer_idx)
         return k[s:n + q].permute(1, 2, 0, 3), v[s:n + q].permute(1, 2, 0, 3)
 
+    @torch.compiler.disable
+    def _update_offloaded_static(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``update`` of an offloaded layer with a static capacity: as the dynamic one, but returning the whole slot
+        (masked past the tokens held). Never traced: a compiled decode step breaks its graph here and runs the
+        copies from Python."""
+        layer = self.layers[layer_idx]
+        q, n = key_states.shape[-2], layer.length
+        if n + q > self.capacity:
+            raise ValueError(f"PagedKVCache(static=True): {n + q} tokens do not fit max_cache_len={self.capacity}; "
+                             "make it the prompt's length plus the most new tokens")
+        with torch.no_grad():
+            k, v = self._acquire(layer_idx)
+            k[n:n + q].copy_(key_states.permute(2, 0, 1, 3))
+            v[n:n + q].copy_(value_states.permute(2, 0, 1, 3))
+            self._streams.to_host(k[n:n + q], layer.k[n:n + q])
+            self._d2h_event = self._streams.to_host(v[n:n + q], layer.v[n:n + q]).event
+            self._slot_read[self._slot_of[layer_idx]] = self._d2h_event
+            self._stats["d2h_bytes"] += _nbytes(k[n:n + q]) + _nbytes(v[n:n + q])
+            layer.length = n + q
+            layer.cumulative_length.add_(q)
+            self._prefetch_after(layer_idx)
+        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last ``-tokens_to_remove`` tokens (a negative int, as ``DynamicCache.crop`` wants)."""
         if tokens_to_remove > 0:
             raise ValueError(f"PagedKVCache.crop: pass a negative number of tokens to remove, got {tokens_to_remove}")
         for layer in self._paged():
             layer.length = max(0, layer.length + tokens_to_remove)
+            if layer.cumulative_length is not None:
+                layer.cumulative_length.clamp_(min=-tokens_to_remove).add_(tokens_to_remove)
         self._invalidate()  # a sliding window may now start before what a slot holds
 
     def reset(self) -> None:
         """Empties the cache, keeping its buffers for the next generation."""
         for layer in self._paged():
             layer.length = 0
+            if layer.cumulative_length is not None:
+                layer.cumulative_length.zero_()
         self._invalidate()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -313,10 +390,11 @@ class PagedKVCache(Cache):
         self._sync()
         with torch.no_grad():
             for layer in self._paged():
-                if layer.is_initialized and layer.length:
+                n = layer.tokens()
+                if layer.is_initialized and n:
                     idx = beam_idx.to(layer.k.device)
                     for buf in (layer.k, layer.v):
-                        buf[:layer.length].copy_(buf[:layer.length].index_select(1, idx))
+                        buf[:n].copy_(buf[:n].index_select(1, idx))
         self._invalidate()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -352,7 +430,7 @@ class PagedKVCache(Cache):
         used again afterwards, as a new one."""
         self._sync()
         for layer in self._paged():
-            layer.k = layer.v = None
+            layer.k = layer.v = layer.k_hm = layer.v_hm = layer.cumulative_length = None
             layer.length, layer.is_initialized = 0, False
         self._slot_k, self._slot_v, self._occupant, self._slot_read = [], [], [], []
         self._slot_of.clear()
@@ -374,7 +452,7 @@ class PagedKVCache(Cache):
             raise ValueError(f"PagedKVCache.update: expected key/value [batch, heads, tokens, head_dim] of one "
                              f"dtype, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
         if self._device is not None and k.shape[0] != self._batch:
-            if any(layer.length for layer in self._paged()):
+            if any(layer.tokens() for layer in self._paged()):
                 raise ValueError(f"PagedKVCache: batch size changed mid-generation ({self._batch} -> {k.shape[0]}); "
                                  "call cache.reset() (or use a new cache) for a new batch")
             self.close()  # empty: start over with the new batch size
@@ -388,6 +466,9 @@ class PagedKVCache(Cache):
             if self._streams.device != k.device:
                 raise ValueError(f"PagedKVCache: streams are for {self._streams.device}, K/V are on {k.device}")
             q, want = k.shape[-2], self.max_cache_len or 0
+            if self.static and q > want:
+                raise ValueError(f"PagedKVCache(static=True): a prompt of {q} tokens does not fit max_cache_len={want}; "
+                                 "make it the prompt's length plus the most new tokens")
             self.capacity = want if want >= q else _round_up(q, self.chunk)
 
     def _init_layer(self, layer: _PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -398,6 +479,15 @@ class PagedKVCache(Cache):
         layer.k = self._alloc(layer.resident, self.capacity, k)
         layer.v = self._alloc(layer.resident, self.capacity, v)
         layer.batch_size, layer.length, layer.is_initialized = k.shape[0], 0, True
+        if self.static:
+            with torch.inference_mode(False):
+                layer.cumulative_length = torch.zeros((), dtype=torch.long, device=self._device)
+            static = [layer.cumulative_length]
+            if layer.resident:  # the head-major buffers themselves: what attention reads and the graph updates
+                layer.k_hm, layer.v_hm = layer.k.permute(1, 2, 0, 3), layer.v.permute(1, 2, 0, 3)
+                static += [layer.k_hm, layer.v_hm]
+            for t in static:  # fixed addresses: a CUDA graph replays over them instead of copying them in
+                torch._dynamo.mark_static_address(t)
         if not layer.resident and (not self._slot_k or self._slot_k[0].numel() < layer.k.numel()
                                    or self._slot_v[0].numel() < layer.v.numel()):
             self._alloc_slots()  # first offloaded layer, or a wider one (prefill only)
@@ -409,9 +499,9 @@ class PagedKVCache(Cache):
         kv_heads, capacity, head_dim]`` seen through a permuted view, so that attention reads each head's keys and
         values as contiguous rows, as from StaticCache's buffers."""
         shape = (capacity, like.shape[0], like.shape[1], like.shape[3])
-        if resident:
-            return torch.empty((shape[1], shape[2], shape[0], shape[3]), dtype=like.dtype,
-                               device=self._device).permute(2, 0, 1, 3)
+        if resident:  # (static: zeros, as StaticCache's: masked positions must not hold NaN bit patterns)
+            return (torch.zeros if self.static else torch.empty)(
+                (shape[1], shape[2], shape[0], shape[3]), dtype=like.dtype, device=self._device).permute(2, 0, 1, 3)
         if self._arena is not None:
             return self._arena.empty(shape, like.dtype)
         return torch.empty(shape, dtype=like.dtype)
@@ -423,8 +513,9 @@ class PagedKVCache(Cache):
         off = [self.layers[j] for j in self.offloaded_layers if self.layers[j].is_initialized]
         nk = max(layer.k.numel() for layer in off)
         nv = max(layer.v.numel() for layer in off)
-        self._slot_k = [torch.empty(nk, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
-        self._slot_v = [torch.empty(nv, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
+        new = torch.zeros if self.static else torch.empty  # static: a slot's unused positions are read (masked)
+        self._slot_k = [new(nk, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
+        self._slot_v = [new(nv, dtype=self._dtype, device=self._device) for _ in range(self.num_slots)]
         self._occupant = [None] * self.num_slots
         self._slot_read = [None] * self.num_slots
         self._slot_of.clear()

@@ -18,6 +18,7 @@ from trl import DPOConfig, GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import use_adapter  # noqa: E402
 
 import trainstream_hf as ts  # noqa: E402
+from trainstream_hf.cache import TrainStreamCache  # noqa: E402
 from trainstream_hf.config import TrainStreamConfig  # noqa: E402
 from trainstream_hf.integrations.transformers import TrainStreamCallback  # noqa: E402
 from trainstream_hf.integrations.trl import (TrainStreamDPOConfig, TrainStreamGRPOConfig,  # noqa: E402
@@ -276,7 +277,50 @@ def test_compiled_generation_traces_the_decode_step_without_a_break(tmp_path):
     with pytest.warns(RuntimeWarning, match="compiled_generation: the plan pages 2 blocks' weights"):
         paged.train()
     assert paged.generation_config.disable_compile
-    with pytest.raises(ValueError, match="compiled_generation=True decodes with transformers' static cache"):
-        TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path),
-                               train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
-                               generation_cache=0.5, compiled_generation=True)
+
+
+def test_compiled_generation_through_a_static_trainstream_cache(tmp_path):
+    """compiled_generation with generation_cache: the decode step is compiled over a TrainStreamCache(static=True), one
+    kept across the steps (reset, not rebuilt, so the compiled step finds the same buffers) and closed when train()
+    returns; the graph breaks at the offloaded layer's update, and the later steps compile nothing new."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    tok = _tokenizer()
+    trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path, max_steps=3),
+                                     train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                                     trainstream_config=TrainStreamConfig(**ENGINE), generation_cache=0.5,
+                                     compiled_generation=True)
+    assert trainer.generation_config.cache_implementation is None and not trainer.generation_config.disable_compile
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True
+    trainer.generation_config.compile_config = compile_config
+    made, graphs = [], []
+    real_init = TrainStreamCache.__init__
+
+    def recording(self, *a, **k):
+        made.append(k)
+        real_init(self, *a, **k)
+
+    class Graphs(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            graphs.append(counters["stats"]["unique_graphs"])
+
+    trainer.add_callback(Graphs())
+    torch._dynamo.reset()
+    counters.clear()
+    TrainStreamCache.__init__ = recording
+    try:
+        trainer.train()
+        breaks = dict(counters["graph_break"])
+    finally:
+        TrainStreamCache.__init__ = real_init
+        torch._dynamo.reset()
+    assert len(made) == 1 and made[0]["static"] and made[0]["resident"] == 0.5  # one cache for the three steps
+    assert made[0]["max_cache_len"] >= 6  # the prompt plus max_completion_length
+    # (transformers' make_inputs_require_grads hook on the embedding may break the graph too, once a forward)
+    assert any("_update_offloaded_static" in reason for reason in breaks), breaks
+    assert graphs[0] > 1 and graphs[1:] == [graphs[0]] * 2  # nothing compiled after the first step
+    assert trainer._ts_kept_cache == {}  # released when train() returned
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -233,12 +233,15 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
             "reduce-overhead" mode: CUDA graphs on a GPU), where TRL turns that compilation off: the decode step of a
             LoRA model over a packed base is a few hundred small kernels per token, bound by their launches. The
             engine's block hooks stand aside in that traced no-grad forward (nothing to page or save); with paged block
-            weights it is turned off with a warning at the first step. The first steps pay the compilation. Not with
-            ``generation_cache`` (TrainStreamCache is not a static cache).
+            weights it is turned off with a warning at the first step. The first steps pay the compilation. With
+            ``generation_cache`` the static cache is a ``TrainStreamCache(static=True)``: the resident layers' updates
+            are in the compiled graph, each offloaded layer's copies run between graphs. That cache is kept between
+            steps (its device bytes beside training's, as transformers keeps its static cache) and released when
+            ``train()`` returns.
 
     Raises:
         ValueError: ``beta > 0`` and the policy is not a PEFT model; ``ref_chunk_tokens < 1``; a ``generation_cache``
-            outside [0, 1], or one with ``compiled_generation``.
+            outside [0, 1].
     """
 
     def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, ref_chunk_tokens: int = 1024,
@@ -248,11 +251,8 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         if ref_chunk_tokens < 1:
             raise ValueError(f"ref_chunk_tokens must be >= 1, got {ref_chunk_tokens}")
         self.generation_cache = check_generation_cache(generation_cache)
-        if compiled_generation and self.generation_cache is not None:
-            raise ValueError(f"compiled_generation=True decodes with transformers' static cache, generation_cache="
-                             f"{generation_cache} with a TrainStreamCache: choose one (generation_cache=None to "
-                             "compile)")
         self.compiled_generation = bool(compiled_generation)
+        self._ts_kept_cache: dict = {}  # compiled generation through TrainStreamCache: the static cache, reused
         bound = _GRPO_INIT.bind(self, *args, **kwargs).arguments
         grpo_args, model = bound.get("args"), bound["model"]
         beta = grpo_args.beta if grpo_args is not None else GRPOConfig.__dataclass_fields__["beta"].default
@@ -275,9 +275,10 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
                 raise ValueError("compiled_generation=True compiles transformers' generate(); with use_vllm TRL does "
                                  "not call it")
             # TRL 1.16 builds its GenerationConfig with disable_compile=True; generation_kwargs overrides the model's
-            self.generation_config.cache_implementation = "static"
             self.generation_config.disable_compile = False
-            self.generation_kwargs["cache_implementation"] = "static"
+            if self.generation_cache is None:  # transformers' StaticCache (else a static TrainStreamCache is passed)
+                self.generation_config.cache_implementation = "static"
+                self.generation_kwargs["cache_implementation"] = "static"
         self._ts_attach(cfg)
 
     def _ts_is_reference_call(self, model, compute_entropy: bool, compute_aux_loss: bool, extra: dict) -> bool:
@@ -324,8 +325,17 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         _synchronize_engines(policy)  # before TRL generates (module docstring)
         if self.compiled_generation and not self.generation_config.disable_compile:
             _refuse_compiled_paging(self, policy)
-        with generation_through_cache(policy, self.generation_cache):  # TRL generates inside the step
+        keep = self._ts_kept_cache if self.compiled_generation else None
+        with generation_through_cache(policy, self.generation_cache, keep):  # TRL generates inside the step
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def train(self, *args, **kwargs):
+        from trainstream_hf.integrations.trl_online import close_kept
+
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            close_kept(self._ts_kept_cache)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         _log(self, logs)

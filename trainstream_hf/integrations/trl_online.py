@@ -47,7 +47,7 @@ from trainstream_hf.integrations.transformers import EngineTrainerMixin, TrainSt
 from trainstream_hf.integrations.trl import _is_prompt_learning, _log, _reference_pass, _synchronize_engines
 from trainstream_hf.losses import token_logprobs
 
-__all__ = ["TrainStreamOnlineDPOConfig", "TrainStreamOnlineDPOTrainer", "generation_through_cache"]
+__all__ = ["TrainStreamOnlineDPOConfig", "TrainStreamOnlineDPOTrainer", "close_kept", "generation_through_cache"]
 
 
 @dataclass
@@ -65,10 +65,15 @@ def check_generation_cache(resident: float | None) -> float | None:
 
 
 @contextlib.contextmanager
-def generation_through_cache(model: nn.Module, resident: float | None) -> Iterator[None]:
+def generation_through_cache(model: nn.Module, resident: float | None, keep: dict | None = None) -> Iterator[None]:
     """For the duration, a ``model.generate`` call given no cache gets a fresh
     :class:`~trainstream_hf.cache.TrainStreamCache` of ``model`` with ``resident`` of its layers on the device (closed
-    when the call returns). Nothing changes with ``resident=None``."""
+    when the call returns). Nothing changes with ``resident=None``.
+
+    With ``keep`` (a dict the caller owns), the cache is static instead (``TrainStreamCache(static=True)``, sized for
+    the prompt plus ``max_new_tokens``, rounded up to 64 tokens), so that generate() can compile its decode step over
+    it; it is kept in ``keep`` and reset for the next call of the same batch that fits it, as transformers keeps its
+    own static cache, so that the compiled step finds the same buffers. ``close_kept(keep)`` releases it."""
     if resident is None:
         yield
         return
@@ -82,11 +87,23 @@ def generation_through_cache(model: nn.Module, resident: float | None) -> Iterat
     def generate(*args, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return original(*args, **kwargs)
-        cache = TrainStreamCache(base, resident=resident)
-        try:
-            return original(*args, **{**kwargs, key: cache})
-        finally:
-            cache.close()
+        if keep is None:
+            cache = TrainStreamCache(base, resident=resident)
+            try:
+                return original(*args, **{**kwargs, key: cache})
+            finally:
+                cache.close()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        need = ids.shape[1] + _new_tokens(base, ids.shape[1], kwargs)
+        cache, kept = keep.get("cache"), keep.get("size")
+        if cache is not None and kept[0] == ids.shape[0] and kept[2] == ids.device and kept[1] >= need:
+            cache.reset()  # (prompts of another length: the same capacity, so the same compiled step)
+        else:
+            close_kept(keep)
+            size = (ids.shape[0], -(-need // 64) * 64, ids.device)
+            cache = keep["cache"] = TrainStreamCache(base, resident=resident, static=True, max_cache_len=size[1])
+            keep["size"] = size
+        return original(*args, **{**kwargs, key: cache})
 
     model.generate = generate
     try:
@@ -96,6 +113,25 @@ def generation_through_cache(model: nn.Module, resident: float | None) -> Iterat
             model.generate = original
         else:
             del model.generate
+
+
+def close_kept(keep: dict) -> None:
+    """Releases the static cache :func:`generation_through_cache` kept in ``keep``."""
+    cache = keep.pop("cache", None)
+    keep.pop("size", None)
+    if cache is not None:
+        cache.close()
+
+
+def _new_tokens(model: nn.Module, prompt: int, kwargs: dict) -> int:
+    """The most tokens a generate() call adds: its ``max_new_tokens``, or ``max_length`` less the prompt."""
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if new is None:
+        new = kwargs.get("max_length", config.max_length) - prompt
+    if new is None or new < 1:
+        raise ValueError(f"generation through a static TrainStreamCache needs max_new_tokens >= 1, got {new}")
+    return int(new)
 
 
 _INIT = inspect.signature(OnlineDPOTrainer.__init__)

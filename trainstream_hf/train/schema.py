@@ -199,14 +199,12 @@ class GRPOArgs:
               "rest in pinned host pages, streamed as the layers run); null: TRL's own cache.")
     compiled_generation: bool = _opt(
         False, "Sample with a static cache and transformers' compiled decode step (CUDA graphs on a GPU), which TRL "
-               "turns off (TrainStreamGRPOTrainer(compiled_generation=...)); needs generation_cache null.")
+               "turns off (TrainStreamGRPOTrainer(compiled_generation=...)); with generation_cache the static cache is "
+               "a TrainStreamCache(static=True), kept between steps.")
 
     def __post_init__(self) -> None:
         if self.generation_cache is not None and not 0.0 <= self.generation_cache <= 1.0:
             raise ValueError(f"generation_cache: a fraction in [0, 1] or null, got {self.generation_cache!r}")
-        if self.compiled_generation and self.generation_cache is not None:
-            raise ValueError(f"compiled_generation decodes with transformers' static cache; generation_cache="
-                             f"{self.generation_cache} asks for a TrainStreamCache: set one of them off")
         if self.num_generations < 2:
             raise ValueError(f"num_generations: at least 2 (advantages compare completions of one prompt), got "
                              f"{self.num_generations}")
