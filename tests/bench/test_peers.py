@@ -30,7 +30,7 @@ def test_tied_embeddings_follow_the_table():
 
 
 def test_unknown_shape_says_which_exist():
-    with pytest.raises(KeyError, match="tiny"):
+    with pytest.raises(ValueError, match="tiny"):
         model_config("llama-nope")
 
 
