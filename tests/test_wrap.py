@@ -585,3 +585,37 @@ def test_gradient_accumulation_steps_is_checked():
         ts.TrainStreamConfig(gradient_accumulation_steps=0)
     with pytest.raises(ValueError, match="optimizer_in_backward"):
         ts.TrainStreamConfig(gradient_accumulation_steps=2, optimizer_in_backward=True)
+
+
+def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unwrap():
+    """The plan placed every tensor and the engine holds copies of them: .to(dtype) / .half() / .cuda()-style calls,
+    resize_token_embeddings and deepcopy fail in one line saying to unwrap first, nothing changed (the model still
+    trains); a .to() that changes nothing passes (Accelerate's device placement); after unwrap all of them work."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ts.wrap(model, opt, **FORCE)
+    for call in (lambda: model.to(torch.bfloat16), lambda: model.half(), lambda: model.bfloat16(),
+                 lambda: model.model.to(torch.float16)):
+        with pytest.raises(RuntimeError, match=r"this model is wrapped, and moving or casting it .* trainstream_hf.unwrap\(model\)"):
+            call()
+    with pytest.raises(RuntimeError, match="cannot be deep-copied .*unwrap"):
+        copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="resize_token_embeddings on a wrapped model"):
+        model.resize_token_embeddings(200)
+    assert model.to("cpu") is model and model.to(torch.float32) is model and model.float() is model
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    _train(model, opt, 2)  # still trains
+    ts.unwrap(model)
+    assert copy.deepcopy(model) is not model
+    model.resize_token_embeddings(200)
+    assert model.half().model.embed_tokens.weight.dtype == torch.float16
+
+    peft = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft, _ = ts.wrap(peft, torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad]), **FORCE)
+    for call in (lambda: peft.to(torch.bfloat16), lambda: peft.get_base_model().half(), lambda: copy.deepcopy(peft)):
+        with pytest.raises(RuntimeError, match="unwrap"):
+            call()
+    ts.unwrap(peft)
+    assert peft.to(torch.bfloat16).get_base_model().lm_head.weight.dtype == torch.bfloat16

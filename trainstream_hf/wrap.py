@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import time
 import warnings
@@ -776,6 +777,54 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     for name, value in ((_ATTR, engine), ("trainstream_stats", engine.stats), ("trainstream_plan", pl)):
         model.__dict__[name] = value
         undo.callback(model.__dict__.pop, name, None)
+    _guard_layout(model, blocks, undo)
+
+
+def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:
+    """The plan placed every tensor of the model (device, host pages, dtype) and the engine holds views and copies of
+    them: calls that would move, cast, resize or copy the model are refused in one line saying what to do, instead of
+    leaving a model whose next step fails far away (a dtype mismatch in a matmul) or trains a copy the engine does
+    not see. A ``.to()`` that changes nothing (Accelerate's device placement on the same device) still passes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # the model, its PEFT base and every module holding the blocks (``model.model``, ``model.model.layers``)
+    ids = {id(b) for b in blocks}
+    names = [n for n, m in model.named_modules() if id(m) in ids]
+    holders = {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
+    guarded = {id(model): model, id(base): base,
+               **{id(m): m for n, m in model.named_modules() if n in holders}}
+    for m in guarded.values():
+        _set_instance_attr(m, "_apply", functools.partial(_refuse_apply, m, m._apply), undo)
+        _set_instance_attr(m, "__deepcopy__", functools.partial(_refuse_deepcopy, m), undo)
+    if hasattr(base, "resize_token_embeddings"):
+        _set_instance_attr(base, "resize_token_embeddings", _refuse_resize, undo)
+
+
+def _set_instance_attr(obj, name: str, value, undo: contextlib.ExitStack) -> None:
+    undo.callback(_restore_attr, obj, name, obj.__dict__.get(name, _MISSING))
+    obj.__dict__[name] = value
+
+
+def _refuse_apply(module: nn.Module, original, fn, *args, **kwargs):
+    kinds = {(t.dtype, t.device) for t in itertools.chain(module.parameters(), module.buffers())}
+    for dtype, device in kinds:
+        probe = torch.empty(0, dtype=dtype, device=device)
+        out = fn(probe)
+        if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != device:
+            raise RuntimeError(
+                f"trainstream_hf: this model is wrapped, and moving or casting it ({dtype} on {device} -> "
+                f"{getattr(out, 'dtype', '?')} on {getattr(out, 'device', '?')}) would leave the engine's copies "
+                "behind; call trainstream_hf.unwrap(model) first, or move or cast it before wrap()")
+    return original(fn, *args, **kwargs)
+
+
+def _refuse_deepcopy(module: nn.Module, memo):
+    raise RuntimeError("trainstream_hf: a wrapped model cannot be deep-copied (its engine holds pinned host memory, "
+                       "streams and hooks); copy it before wrap(), or call trainstream_hf.unwrap(model) first")
+
+
+def _refuse_resize(*args, **kwargs):
+    raise RuntimeError("trainstream_hf: resize_token_embeddings on a wrapped model: the plan placed the embeddings; "
+                       "resize before wrap(), or unwrap, resize and wrap again")
 
 
 def _track_masters(model: nn.Module, opt: OffloadedAdamW, undo: contextlib.ExitStack) -> None:
