@@ -282,9 +282,10 @@ class PagedKVCache(Cache):
             # (the attention and decoder layer forwards) are then compiled once per layer: let dynamo keep them all.
             import torch._dynamo
 
-            need = 2 * len(layers) + 8
-            if torch._dynamo.config.recompile_limit < need:
-                torch._dynamo.config.recompile_limit = need
+            need, cfg = 2 * len(layers) + 8, torch._dynamo.config
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (older torch)
+            if getattr(cfg, name) < need:
+                setattr(cfg, name, need)
         self.num_slots, self.num_prefetch, self.chunk, self.max_cache_len = slots, prefetch, chunk, max_cache_len
         self._arena, self._own_arena = arena, arena is None
         self._streams, self._own_streams = streams, streams is None
