@@ -77,6 +77,11 @@ for s in "$@"; do case $s in
           --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
         cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
       done; done
+      # DPO's memory target (<= 0.6x stock TRL + bitsandbytes): the plan at a budget of ~0.6x that peer's peak
+      run 300 align_8b_dpo_trainstream_7gib accelerate launch --config_file configs/accelerate/single_gpu.yaml \
+        recipes/dpo.py --config configs/dpo-llama3-8b-nf4-24gib.yaml --trainstream.vram_budget 7GiB --train.steps 4 \
+        --output_dir /tmp/dpo-trainstream-7gib
+      cp /tmp/dpo-trainstream-7gib/summary.json "$OUT/dpo-llama3-8b-trainstream-7gib-$GPU-$SHA.json" 2>/dev/null
       # the decode step compiled (static cache, CUDA graphs) instead of TrainStreamCache
       run 400 align_8b_grpo_compiled accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/grpo.py \
         --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.generation_cache null --grpo.compiled_generation true \
