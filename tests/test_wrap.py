@@ -589,7 +589,7 @@ def test_gradient_accumulation_steps_is_checked():
 
 def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unwrap():
     """The plan placed every tensor and the engine holds copies of them: .to(dtype) / .half() / .cuda()-style calls,
-    resize_token_embeddings and deepcopy fail in one line saying to unwrap first, nothing changed (the model still
+    resize_token_embeddings, deepcopy and PEFT's merging fail in one line saying to unwrap first, nothing changed (the model still
     trains); a .to() that changes nothing passes (Accelerate's device placement); after unwrap all of them work."""
     from peft import LoraConfig, get_peft_model
 
@@ -614,8 +614,10 @@ def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unw
 
     peft = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     peft, _ = ts.wrap(peft, torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad]), **FORCE)
-    for call in (lambda: peft.to(torch.bfloat16), lambda: peft.get_base_model().half(), lambda: copy.deepcopy(peft)):
+    for call in (lambda: peft.to(torch.bfloat16), lambda: peft.get_base_model().half(), lambda: copy.deepcopy(peft),
+                 peft.merge_and_unload, peft.base_model.merge_adapter, lambda: peft.unload()):
         with pytest.raises(RuntimeError, match="unwrap"):
             call()
     ts.unwrap(peft)
     assert peft.to(torch.bfloat16).get_base_model().lm_head.weight.dtype == torch.bfloat16
+    assert isinstance(peft.merge_and_unload(), LlamaForCausalLM)

@@ -782,9 +782,9 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
 
 def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:
     """The plan placed every tensor of the model (device, host pages, dtype) and the engine holds views and copies of
-    them: calls that would move, cast, resize or copy the model are refused in one line saying what to do, instead of
-    leaving a model whose next step fails far away (a dtype mismatch in a matmul) or trains a copy the engine does
-    not see. A ``.to()`` that changes nothing (Accelerate's device placement on the same device) still passes."""
+    them: calls that would move, cast, resize, copy or (PEFT) merge the model are refused in one line saying what to do,
+    instead of leaving a model whose next step fails far away (a dtype mismatch in a matmul, a paged placeholder) or
+    trains a copy the engine does not see. A ``.to()`` that changes nothing (Accelerate's device placement on the same device) still passes."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # the model, its PEFT base and every module holding the blocks (``model.model``, ``model.model.layers``)
     ids = {id(b) for b in blocks}
@@ -797,6 +797,12 @@ def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:
         _set_instance_attr(m, "__deepcopy__", functools.partial(_refuse_deepcopy, m), undo)
     if hasattr(base, "resize_token_embeddings"):
         _set_instance_attr(base, "resize_token_embeddings", _refuse_resize, undo)
+    if base is not model:  # PEFT: merging rewrites the base layers the engine pages and hooks
+        tuner = getattr(model, "base_model", None)
+        for m in (model, tuner):
+            for name in ("merge_and_unload", "merge_adapter", "unload"):
+                if m is not None and hasattr(m, name):
+                    _set_instance_attr(m, name, functools.partial(_refuse_merge, name), undo)
 
 
 def _set_instance_attr(obj, name: str, value, undo: contextlib.ExitStack) -> None:
@@ -820,6 +826,11 @@ def _refuse_apply(module: nn.Module, original, fn, *args, **kwargs):
 def _refuse_deepcopy(module: nn.Module, memo):
     raise RuntimeError("trainstream_hf: a wrapped model cannot be deep-copied (its engine holds pinned host memory, "
                        "streams and hooks); copy it before wrap(), or call trainstream_hf.unwrap(model) first")
+
+
+def _refuse_merge(name: str, *args, **kwargs):
+    raise RuntimeError(f"trainstream_hf: {name}() on a wrapped model: merging rewrites the base layers the engine pages "
+                       f"and hooks; call trainstream_hf.unwrap(model) first, then {name}()")
 
 
 def _refuse_resize(*args, **kwargs):
