@@ -72,6 +72,24 @@ def test_plugin_from_env():
         TrainStreamPlugin.from_env({"TRAINSTREAM": "yes"})
     assert not TrainStreamPlugin.from_env({"TRAINSTREAM": "off"}).active()
 
+def test_trainstream_arguments_as_the_trainer_takes_them(monkeypatch):
+    """TrainStreamAccelerator(trainstream="on", trainstream_<option>=...) as TrainStreamTrainingArguments: over the
+    environment's options; a misspelt option or a plugin beside them is one line."""
+    monkeypatch.setenv("TRAINSTREAM_SLOTS", "3")
+    acc = TrainStreamAccelerator(cpu=True, trainstream="on", trainstream_vram_budget="64GiB",
+                                 trainstream_offload_optimizer=True, trainstream_min_offload_numel=0)
+    plugin = acc.trainstream_plugin
+    assert plugin.active() and plugin.config.vram_budget == "64GiB" and plugin.config.slots == 3
+    model = _model()
+    _, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert type(opt.optimizer).__name__ == "OffloadedAdamW"
+    acc.end_training()
+    with pytest.raises(ValueError, match="trainstream_vram_budgt names no option .did you mean trainstream_vram_budget"):
+        TrainStreamAccelerator(cpu=True, trainstream_vram_budgt="8GiB")
+    with pytest.raises(ValueError, match="trainstream_plugin= or trainstream= / trainstream_<option>= arguments, not"):
+        TrainStreamAccelerator(cpu=True, trainstream_plugin=TrainStreamPlugin("on"), trainstream_vram_budget="8GiB")
+
+
 def test_accelerate_launch_two_processes_matches_one_process(tmp_path):
     """``accelerate launch`` with 2 processes (torchrun underneath): the script's TrainStreamAccelerator(cpu=True)
     trains in 2 gloo processes (Accelerate's MULTI_CPU), DDP around the wrapped model, accumulation of 2 and

@@ -58,10 +58,24 @@ class TrainStreamAccelerator(Accelerator):
 
     Args:
         trainstream_plugin: the plugin; default :meth:`TrainStreamPlugin.from_env`.
+        trainstream: "auto", "on" or "off", as :class:`TrainStreamTrainingArguments`' flag (default: the plugin's).
+        **trainstream_<option>: any :class:`TrainStreamConfig` field, e.g. ``trainstream_vram_budget="24GiB"``; over
+            what the environment says.
         *args, **kwargs: ``Accelerator``'s.
+
+    Raises:
+        ValueError: ``trainstream_plugin`` together with ``trainstream`` / ``trainstream_<option>`` arguments, or an
+            argument that names no option.
     """
 
-    def __init__(self, *args, trainstream_plugin: TrainStreamPlugin | None = None, **kwargs):
+    def __init__(self, *args, trainstream_plugin: TrainStreamPlugin | None = None, trainstream: str | None = None,
+                 **kwargs):
+        options = {k[len("trainstream_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("trainstream_")}
+        if trainstream_plugin is not None and (options or trainstream is not None):
+            raise ValueError("TrainStreamAccelerator: pass trainstream_plugin= or trainstream= / trainstream_<option>= "
+                             "arguments, not both")
+        if trainstream_plugin is None and (options or trainstream is not None):
+            trainstream_plugin = _plugin_from_arguments(trainstream, options)
         super().__init__(*args, **kwargs)
         self.trainstream_plugin = trainstream_plugin or TrainStreamPlugin.from_env()
         self.trainstream_model: nn.Module | None = None
@@ -105,3 +119,19 @@ class TrainStreamAccelerator(Accelerator):
         if self.trainstream_model is not None and engine_of(self.trainstream_model) is not None:
             unwrap(self.trainstream_model)
         super().end_training()
+
+
+def _plugin_from_arguments(mode: str | None, options: dict) -> TrainStreamPlugin:
+    """The environment's plugin with ``mode`` and ``options`` (TrainStreamConfig fields) over it."""
+    import difflib
+    from dataclasses import fields
+
+    names = [f.name for f in fields(TrainStreamConfig)]
+    for name in options:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean trainstream_{near[0]}?)" if near else ""
+            raise ValueError(f"TrainStreamAccelerator: trainstream_{name} names no option{hint}; the options are "
+                             f"TrainStreamConfig's fields: {', '.join(names)}")
+    env = TrainStreamPlugin.from_env()
+    return TrainStreamPlugin(enabled=env.enabled if mode is None else mode, config=replace(env.config, **options))
