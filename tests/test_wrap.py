@@ -621,3 +621,15 @@ def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unw
     ts.unwrap(peft)
     assert peft.to(torch.bfloat16).get_base_model().lm_head.weight.dtype == torch.bfloat16
     assert isinstance(peft.merge_and_unload(), LlamaForCausalLM)
+
+
+def test_a_misspelt_option_names_the_nearest_and_a_forced_offload_that_moves_nothing_says_so():
+    with pytest.raises(TypeError, match=r"wrap: vram_budgt= is not an option \(did you mean vram_budget=\?\)"):
+        ts.wrap(_llama(), None, vram_budgt="8GiB")
+    model = _llama()
+    with pytest.warns(RuntimeWarning, match="offload_optimizer=True, but no trainable parameter has "
+                                            "min_offload_numel=1048576 elements or more"):
+        model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters()), offload_optimizer=True,
+                             vram_budget="64GiB", host_arena=None)
+    assert not isinstance(opt, OffloadedAdamW)
+    ts.unwrap(model)

@@ -718,6 +718,11 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     named = list(model.named_parameters())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     big = [(n, p) for n, p in trainable if p.numel() >= min_offload_numel]
+    if offload_optimizer is True and trainable and not big:
+        warnings.warn(f"offload_optimizer=True, but no trainable parameter has min_offload_numel={min_offload_numel} "
+                      f"elements or more (the largest: {max(p.numel() for _, p in trainable)}), and smaller ones keep "
+                      "their optimizer state on the device: nothing is offloaded; lower min_offload_numel to offload "
+                      "them", RuntimeWarning, stacklevel=3)
     # Activations are in the parameters' dtype (under autocast they are smaller: the estimate errs high).
     act_dtype_bytes = next(model.parameters()).element_size()
     config = getattr(model, "config", None)

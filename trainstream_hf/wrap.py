@@ -17,13 +17,14 @@ reading what ``wrap`` does; splitting them would scatter the undo of a step from
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import itertools
 import os
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields as dataclass_fields, replace
 from typing import Callable
 
 import torch
@@ -398,6 +399,12 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     check_wrappable(model)
+    names = [f.name for f in dataclass_fields(TrainStreamConfig)]
+    for name in options:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            raise TypeError(f"wrap: {name}= is not an option{f' (did you mean {near[0]}=?)' if near else ''}; the "
+                            f"options are TrainStreamConfig's fields: {', '.join(names)}")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
     if optimizer is not None:
         own = {id(p) for p in model.parameters()}
