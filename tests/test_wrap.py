@@ -633,3 +633,14 @@ def test_a_misspelt_option_names_the_nearest_and_a_forced_offload_that_moves_not
                              vram_budget="64GiB", host_arena=None)
     assert not isinstance(opt, OffloadedAdamW)
     ts.unwrap(model)
+
+
+def test_plan_of_a_wrapped_model_is_the_installed_one():
+    model, _ = ts.wrap(_llama(), None, vram_budget="64GiB",
+                       host_arena=None)
+    assert ts.plan(model) is model.trainstream_plan
+    with pytest.raises(RuntimeError, match="plan: this model is wrapped, and its plan is model.trainstream_plan"):
+        ts.plan(model, vram_budget="8GiB")
+    ts.unwrap(model)
+    assert ts.plan(model, vram_budget="8GiB").budget == 8 * 2**30
+

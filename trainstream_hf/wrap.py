@@ -930,7 +930,16 @@ def plan(model: nn.Module, batch_shape: tuple[int, int] | None = None, config: T
         model: as for :func:`wrap`.
         batch_shape: (batch, sequence) to plan for; default the config's, else (1, the model's context up to 2048).
         config, **options: as for :func:`wrap`.
+
+    On a wrapped model, with no other argument: the plan installed (``model.trainstream_plan``).
     """
+    engine = engine_of(model)
+    if engine is not None:
+        if batch_shape is None and config is None and not options:
+            return engine.plan
+        raise RuntimeError("plan: this model is wrapped, and its plan is model.trainstream_plan (trainstream_hf.plan("
+                           "model) gives it too); to plan it with other options, call trainstream_hf.unwrap(model) "
+                           "first")
     if batch_shape is not None:
         options = {**options, "batch_shape": tuple(batch_shape)}
     config, dp_group = _configure(model, None, config, options)
