@@ -157,3 +157,25 @@ def test_the_loaded_model_carries_the_kbit_flag_peft_and_trl_read(llama_dir, fmt
     assert model.num_parameters() > 0  # transformers imports bitsandbytes here for is_loaded_in_4bit models
     model.hf_quantizer.remove_quantization_config(model)  # what dequantize() ends with
     assert not hasattr(model, "is_loaded_in_8bit") and not model.is_quantized
+
+
+def test_a_packed_model_lets_generate_compile_its_decode_step(tmp_path):
+    """transformers compiles generate()'s decode step only when the model's quantizer says it can (HfQuantizer's
+    default says no): a model loaded packed through TrainStreamQuantizationConfig compiles, with the eager tokens."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    tiny_llama(2, vocab=128).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TrainStreamQuantizationConfig("nf4"))
+    assert model.hf_quantizer.is_compileable
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    eager = model.generate(ids, disable_compile=True, **kw)
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # (transformers compiles generate() on accelerators only)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = model.generate(ids, disable_compile=False, compile_config=compile_config, **kw)
+    assert counters["stats"]["unique_graphs"] >= 1 and torch.equal(compiled, eager)
+    torch._dynamo.reset()

@@ -401,6 +401,13 @@ class TrainStreamHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return True  # through adapters (PEFT LoRA over QuantLinear); the packed base itself is frozen
 
+    @property
+    def is_compileable(self) -> bool:
+        # QuantLinear's ops are registered with fake kernels and trace without a break (tests/engine/
+        # test_compiled_blocks.py); transformers' default (False) would keep generate() from ever compiling its decode
+        # step for a packed model, whatever cache or compile config it is given.
+        return True
+
 
 def mark_quantized(model: nn.Module, config: TrainStreamQuantizationConfig) -> bool:
     """Gives a model whose linear layers were packed in place (``quantize_frozen_base``: the Trainer flag, the callback
