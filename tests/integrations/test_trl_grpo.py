@@ -251,7 +251,7 @@ def test_compiled_generation_traces_the_decode_step_without_a_break(tmp_path):
     from transformers.generation.configuration_utils import CompileConfig
 
     tok = _tokenizer()
-    cfg = TrainStreamConfig(**ENGINE)
+    cfg = TrainStreamConfig(**ENGINE, quantize="nf4")  # (packed: the model gets transformers' quantizer attributes)
     trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path, max_steps=2),
                                      train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
                                      trainstream_config=cfg, compiled_generation=True)
