@@ -324,3 +324,38 @@ def test_compiled_generation_through_a_static_trainstream_cache(tmp_path):
     assert trainer._ts_kept_cache == {}  # released when train() returned
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_checkpointing_toggles_leave_one_input_grad_hook_and_compile_once(tmp_path):
+    """TRL's default gradient_checkpointing=True turns checkpointing off and on around every generation, and each turn
+    on adds an input-embedding hook in transformers without removing the last: the stale ones are dropped after each
+    step, so the hooks stay bounded and a compiled decode step stops recompiling after the first steps."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    tok = _tokenizer()
+    trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward,
+                                     args=_args(tmp_path, max_steps=4, gradient_checkpointing=True),
+                                     train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
+                                     trainstream_config=TrainStreamConfig(**ENGINE), compiled_generation=True)
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True
+    trainer.generation_config.compile_config = compile_config
+    emb = trainer.model.get_base_model().get_input_embeddings()
+    seen = []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append((len(emb._forward_hooks), counters["stats"]["unique_graphs"]))
+
+    trainer.add_callback(Count())
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        trainer.train()
+    finally:
+        torch._dynamo.reset()
+    hooks, graphs = zip(*seen)
+    assert max(hooks) <= 1, seen  # (without the cleanup: 2, 4, 6, 8)
+    assert graphs[-1] == graphs[-2] == graphs[-3], seen
+

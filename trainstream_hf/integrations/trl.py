@@ -98,6 +98,26 @@ def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
             return
 
 
+def _drop_stale_input_grad_hooks(model: nn.Module) -> None:
+    """TRL 1.16 turns gradient checkpointing off around each generation and on again, and transformers'
+    ``enable_input_require_grads`` (5.17 to 5.25) registers a new ``make_inputs_require_grads`` hook on the input
+    embedding each time, forgetting the handle of the one before: the hooks pile up, two a step, and a compiled decode
+    step recompiles at every step (its guards count them). Removes those no model holds a handle to."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    hooks = getattr(emb, "_forward_hooks", None)
+    if not hooks:
+        return
+    held = {h.id for m in model.modules() for h in (getattr(m, "_require_grads_hooks", None) or [])}
+    held |= {h.id for m in model.modules() if getattr(m, "_require_grads_hook", None) is not None
+             for h in [m._require_grads_hook]}
+    for key, fn in list(hooks.items()):
+        if getattr(fn, "__name__", "") == "make_inputs_require_grads" and key not in held:
+            del hooks[key]
+            for extra in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                getattr(emb, extra, {}).pop(key, None)
+
+
 def _synchronize_engines(model: nn.Module) -> None:
     """Waits for the engine's overlapped CPU optimizer step. The model's top-level forward hook does that wait, and
     ``losses`` (decoder and head called directly) and ``generate`` bypass it."""
@@ -326,8 +346,11 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         if self.compiled_generation and not self.generation_config.disable_compile:
             _refuse_compiled_paging(self, policy)
         keep = self._ts_kept_cache if self.compiled_generation else None
-        with generation_through_cache(policy, self.generation_cache, keep):  # TRL generates inside the step
-            return super().training_step(model, inputs, num_items_in_batch)
+        try:
+            with generation_through_cache(policy, self.generation_cache, keep):  # TRL generates inside the step
+                return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            _drop_stale_input_grad_hooks(policy)
 
     def train(self, *args, **kwargs):
         from trainstream_hf.integrations.trl_online import close_kept
