@@ -1,6 +1,6 @@
 """TRL 1.16's experimental OnlineDPOTrainer through trainstream on the GPU: a Llama over an NF4 base with LoRA, bf16,
-the engine installed for the training steps, completions sampled through TrainStreamCache with half the layers' K/V in
-host pages, the reference the same model with its adapters off. It trains (finite losses, adapters move), the cache
+the engine installed for the training steps, completions sampled through TrainStreamCache with three of the four layers'
+K/V in host pages (more than its two device slots, so they come back every token), the reference the same model with its adapters off. It trains (finite losses, adapters move), the cache
 streamed its offloaded layers, and the engine's figures reach the logs; the step's generation and training times are
 printed (``pytest -s``)."""
 import math
@@ -47,7 +47,7 @@ def test_online_dpo_trains_on_cuda_with_nf4_engine_and_paged_cache(tmp_path):
         model=base, reward_funcs=_reward, args=args, train_dataset=_prompts(), processing_class=tok,
         peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
                                task_type="CAUSAL_LM"),
-        generation_cache=0.5, trainstream_config=TrainStreamConfig(quantize="nf4", vram_budget="8GiB"))
+        generation_cache=0.25, trainstream_config=TrainStreamConfig(quantize="nf4", vram_budget="8GiB"))
     pm = trainer.model
     assert trainer.ref_model is None
     lora0 = {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
@@ -65,7 +65,8 @@ def test_online_dpo_trains_on_cuda_with_nf4_engine_and_paged_cache(tmp_path):
     assert all(not torch.equal(params[n], v) for n, v in lora0.items())
     assert any("trainstream/arena_used_GiB" in h for h in trainer.state.log_history)
     assert len(caches) == 4 and all(c.offloaded_layers for c in caches)
-    assert all(c.stats()["h2d_bytes"] > 0 and c.stats()["d2h_bytes"] > 0 for c in caches)  # the paged layers moved
+    # the new tokens went to the pages, and the three offloaded layers took turns in the two slots
+    assert all(c.stats()["h2d_bytes"] > 0 and c.stats()["d2h_bytes"] > 0 for c in caches)
     assert ts.engine_of(pm) is None  # taken out at the end
     print(f"\nonline DPO on {torch.cuda.get_device_name(0)}: 4 steps in {seconds:.2f} s, losses "
           f"{[round(h['loss'], 4) for h in logs]}, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "
