@@ -589,8 +589,9 @@ def test_gradient_accumulation_steps_is_checked():
 
 def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unwrap():
     """The plan placed every tensor and the engine holds copies of them: .to(dtype) / .half() / .cuda()-style calls,
-    resize_token_embeddings, deepcopy and PEFT's merging fail in one line saying to unwrap first, nothing changed (the model still
-    trains); a .to() that changes nothing passes (Accelerate's device placement); after unwrap all of them work."""
+    resize_token_embeddings, deepcopy and PEFT's merging fail in one line saying to unwrap first, nothing changed (the
+    model still trains); a .to() that changes nothing passes (Accelerate's device placement); after unwrap all of them
+    work."""
     from peft import LoraConfig, get_peft_model
 
     model = _llama()
@@ -598,7 +599,7 @@ def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unw
     model, opt = ts.wrap(model, opt, **FORCE)
     for call in (lambda: model.to(torch.bfloat16), lambda: model.half(), lambda: model.bfloat16(),
                  lambda: model.model.to(torch.float16)):
-        with pytest.raises(RuntimeError, match=r"this model is wrapped, and moving or casting it .* trainstream_hf.unwrap\(model\)"):
+        with pytest.raises(RuntimeError, match=r"model is wrapped, and moving or casting it .* trainstream_hf.unwrap"):
             call()
     with pytest.raises(RuntimeError, match="cannot be deep-copied .*unwrap"):
         copy.deepcopy(model)

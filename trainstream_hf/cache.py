@@ -468,8 +468,8 @@ class PagedKVCache(Cache):
                 raise ValueError(f"PagedKVCache: streams are for {self._streams.device}, K/V are on {k.device}")
             q, want = k.shape[-2], self.max_cache_len or 0
             if self.static and q > want:
-                raise ValueError(f"PagedKVCache(static=True): a prompt of {q} tokens does not fit max_cache_len={want}; "
-                                 "make it the prompt's length plus the most new tokens")
+                raise ValueError(f"PagedKVCache(static=True): a prompt of {q} tokens does not fit max_cache_len="
+                                 f"{want}; make it the prompt's length plus the most new tokens")
             self.capacity = want if want >= q else _round_up(q, self.chunk)
 
     def _init_layer(self, layer: _PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:

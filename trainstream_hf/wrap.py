@@ -791,7 +791,8 @@ def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:
     """The plan placed every tensor of the model (device, host pages, dtype) and the engine holds views and copies of
     them: calls that would move, cast, resize, copy or (PEFT) merge the model are refused in one line saying what to do,
     instead of leaving a model whose next step fails far away (a dtype mismatch in a matmul, a paged placeholder) or
-    trains a copy the engine does not see. A ``.to()`` that changes nothing (Accelerate's device placement on the same device) still passes."""
+    trains a copy the engine does not see. A ``.to()`` that changes nothing (Accelerate's device placement on the same
+    device) still passes."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # the model, its PEFT base and every module holding the blocks (``model.model``, ``model.model.layers``)
     ids = {id(b) for b in blocks}
@@ -836,8 +837,8 @@ def _refuse_deepcopy(module: nn.Module, memo):
 
 
 def _refuse_merge(name: str, *args, **kwargs):
-    raise RuntimeError(f"trainstream_hf: {name}() on a wrapped model: merging rewrites the base layers the engine pages "
-                       f"and hooks; call trainstream_hf.unwrap(model) first, then {name}()")
+    raise RuntimeError(f"trainstream_hf: {name}() on a wrapped model: merging rewrites the base layers the engine "
+                       f"pages and hooks; call trainstream_hf.unwrap(model) first, then {name}()")
 
 
 def _refuse_resize(*args, **kwargs):

@@ -1,8 +1,8 @@
 """TRL 1.16's experimental OnlineDPOTrainer through trainstream on the GPU: a Llama over an NF4 base with LoRA, bf16,
 the engine installed for the training steps, completions sampled through TrainStreamCache with three of the four layers'
-K/V in host pages (more than its two device slots, so they come back every token), the reference the same model with its adapters off. It trains (finite losses, adapters move), the cache
-streamed its offloaded layers, and the engine's figures reach the logs; the step's generation and training times are
-printed (``pytest -s``)."""
+K/V in host pages (more than its two device slots, so they come back every token), the reference the same model with
+its adapters off. It trains (finite losses, adapters move), the cache streamed its offloaded layers, and the engine's
+figures reach the logs; the run's time and peak are printed (``pytest -s``)."""
 import math
 import time
 import warnings

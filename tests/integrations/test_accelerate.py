@@ -84,7 +84,7 @@ def test_trainstream_arguments_as_the_trainer_takes_them(monkeypatch):
     _, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert type(opt.optimizer).__name__ == "OffloadedAdamW"
     acc.end_training()
-    with pytest.raises(ValueError, match="trainstream_vram_budgt names no option .did you mean trainstream_vram_budget"):
+    with pytest.raises(ValueError, match="trainstream_vram_budgt names no option .did you mean trainstream_vram_b"):
         TrainStreamAccelerator(cpu=True, trainstream_vram_budgt="8GiB")
     with pytest.raises(ValueError, match="trainstream_plugin= or trainstream= / trainstream_<option>= arguments, not"):
         TrainStreamAccelerator(cpu=True, trainstream_plugin=TrainStreamPlugin("on"), trainstream_vram_budget="8GiB")

@@ -98,7 +98,8 @@ def main(argv=None) -> None:
     where = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") \
         if torch.cuda.is_available() and args.suite != "sqnr" else "cpu"  # sqnr always computes on the CPU
     suite = "sqnr-minilm" if args.suite == "sqnr" else "table-longest" if args.longest else args.suite
-    shaped = f"-{shape_label(args.shape)}" if args.suite == "table" and args.shape else ""  # one file per shape of the table
+    # one file per shape of the table
+    shaped = f"-{shape_label(args.shape)}" if args.suite == "table" and args.shape else ""
     name = args.name or f"{suite}{shaped}-{where}{'-quick' if args.quick else ''}"
 
     def on_row(partial: dict) -> None:  # each measured row reaches the JSON at once (a timed-out run keeps it)
