@@ -145,3 +145,15 @@ def test_online_dpo_config_adds_trainstream_flags(tmp_path):
     assert (cfg.beta, cfg.learning_rate, cfg.max_new_tokens) == (trl.beta, trl.learning_rate, trl.max_new_tokens)
     assert cfg.trainstream == "on" and cfg.trainstream_vram_budget == "8GiB"
     assert ts.TrainStreamOnlineDPOTrainer is TrainStreamOnlineDPOTrainer
+
+
+def test_checkpointing_toggles_leave_one_input_grad_hook(tmp_path):
+    """With gradient checkpointing on, each generation's off-and-on adds an input-embedding hook in transformers that
+    nothing removes (14 after 4 steps): the stale ones are dropped after each step."""
+    tok = _tokenizer()
+    trainer = TrainStreamOnlineDPOTrainer(model=_base_model(tok), reward_funcs=_reward,
+                                          args=_args(tmp_path, max_steps=4, gradient_checkpointing=True),
+                                          train_dataset=_prompts(), processing_class=tok,
+                                          peft_config=LoraConfig(**LORA), generation_cache=0.5)
+    trainer.train()
+    assert len(trainer.model.get_base_model().get_input_embeddings()._forward_hooks) <= 1

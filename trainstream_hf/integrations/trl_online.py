@@ -44,7 +44,8 @@ with warnings.catch_warnings():  # the import's own "experimental" warning: this
 
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.integrations.transformers import EngineTrainerMixin, TrainStreamTrainingArguments
-from trainstream_hf.integrations.trl import _is_prompt_learning, _log, _reference_pass, _synchronize_engines
+from trainstream_hf.integrations.trl import (_drop_stale_input_grad_hooks, _is_prompt_learning, _log, _reference_pass,
+                                             _synchronize_engines)
 from trainstream_hf.losses import token_logprobs
 
 __all__ = ["TrainStreamOnlineDPOConfig", "TrainStreamOnlineDPOTrainer", "close_kept", "generation_through_cache"]
@@ -216,6 +217,12 @@ class TrainStreamOnlineDPOTrainer(EngineTrainerMixin, OnlineDPOTrainer):
         _synchronize_engines(self.accelerator.unwrap_model(model))
         with generation_through_cache(self.accelerator.unwrap_model(model), self.generation_cache):
             return super()._generate(model, prompts, images)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:  # (the hooks TRL's checkpointing toggles leave on the embedding: see the GRPO trainer)
+            _drop_stale_input_grad_hooks(self.accelerator.unwrap_model(model))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         _log(self, logs)
