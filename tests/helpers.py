@@ -158,6 +158,21 @@ def tiny_llama(layers: int = 2, *, hidden: int = 64, vocab: int = 100, positions
     return LlamaForCausalLM(LlamaConfig(**fields)).to(dtype)
 
 
+def step_batch(step: int, b: int = 2, t: int = 16, vocab: int = 128) -> torch.Tensor:
+    """The token ids of training micro-batch ``step``: seeded by the step alone, so two runs see the same data."""
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def micro_batches(model: nn.Module, step: int, accumulation: int, losses: list) -> None:
+    """One optimizer step's forwards and backwards on :func:`step_batch` micro-batches, each loss scaled by
+    ``1 / accumulation`` and appended (detached) to ``losses``."""
+    for k in range(accumulation):
+        ids = step_batch(step * accumulation + k)
+        loss = model(input_ids=ids, labels=ids).loss / accumulation
+        loss.backward()
+        losses.append(loss.detach().clone())
+
+
 def token_rows(rows: int, vocab: int = 100, length: int = 16, seed: int = 7) -> list[dict]:
     """``rows`` Trainer examples of ``length`` random tokens, labels = inputs; the same on every call."""
     g = torch.Generator().manual_seed(seed)

@@ -7,17 +7,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with
 
 import trainstream_hf as ts
 from trainstream_hf.engine.optimizer import OffloadedAdamW
-from tests.helpers import max_param_diff, tiny_llama
+from tests.helpers import max_param_diff, micro_batches, step_batch, tiny_llama
 
 
 def _llama(seed=0, dtype=torch.float32):
     return tiny_llama(3, vocab=128, positions=64, seed=seed, dtype=dtype)
 
 
-def _batch(step, b=2, t=16):
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, 128, (b, t), generator=g)
-    return ids
+_batch = step_batch
 
 
 FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True, min_activation_bytes=0,
@@ -27,11 +24,7 @@ FORCE = dict(offload_optimizer=True, offload_activations=True, page_weights=True
 def _train(model, opt, steps, *, clip=None, sched=None, accum=1, start=0):
     losses = []
     for s in range(start, start + steps):
-        for k in range(accum):
-            ids = _batch(s * accum + k)
-            loss = model(input_ids=ids, labels=ids).loss / accum
-            loss.backward()
-            losses.append(loss.detach().clone())
+        micro_batches(model, s, accum, losses)
         if clip is not None:
             (opt.clip_grad_norm_ if hasattr(opt, "clip_grad_norm_") and clip == "opt"
              else lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))(1.0)

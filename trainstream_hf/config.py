@@ -334,6 +334,18 @@ def config_from_text(options: dict[str, Any], sources: dict[str, str] | None = N
         raise ValueError(f"{where}{e}") from None
 
 
+def option_names() -> list[str]:
+    """The option names: :class:`TrainStreamConfig`'s fields, in order."""
+    return [f.name for f in fields(TrainStreamConfig)]
+
+
+def nearest_option(name: str) -> str | None:
+    """The option a misspelt ``name`` most likely meant (one it begins, else the closest), or None."""
+    names = option_names()
+    near = [n for n in names if n.startswith(name)][:1] or difflib.get_close_matches(name, names, n=1)
+    return near[0] if near else None
+
+
 def env_config(environ=None, *, default: str = "off") -> tuple[str, TrainStreamConfig | None]:
     """``(mode, config)`` from ``TRAINSTREAM`` and ``TRAINSTREAM_<OPTION>`` variables.
 
@@ -356,15 +368,15 @@ def env_config(environ=None, *, default: str = "off") -> tuple[str, TrainStreamC
         raise ValueError(f"TRAINSTREAM={raw!r}: 'auto', 'on' or 'off' ('auto': on when a GPU is present)")
     if mode == "off":
         return mode, None
-    names = [f.name for f in fields(TrainStreamConfig)]
+    names = option_names()
     opts, source = {}, {}
     for key in sorted(env):
         if not key.startswith("TRAINSTREAM_") or key in ENV_NOT_OPTIONS:
             continue
         name = key[len("TRAINSTREAM_"):].lower()
         if name not in names:
-            near = [n for n in names if n.startswith(name)][:1] or difflib.get_close_matches(name, names, n=1)
-            hint = f" (did you mean TRAINSTREAM_{near[0].upper()}?)" if near else ""
+            near = nearest_option(name)
+            hint = f" (did you mean TRAINSTREAM_{near.upper()}?)" if near else ""
             raise ValueError(f"{key}: unknown trainstream option {name!r}{hint}; the options are "
                              f"{', '.join('TRAINSTREAM_' + n.upper() for n in names)} (and TRAINSTREAM=auto|on|off)")
         opts[name], source[name] = env[key], key

@@ -17,21 +17,20 @@ reading what ``wrap`` does; splitting them would scatter the undo of a step from
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import itertools
 import os
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, fields as dataclass_fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
 from trainstream_hf import planner
-from trainstream_hf.config import TrainStreamConfig, parse_bytes
+from trainstream_hf.config import TrainStreamConfig, nearest_option, option_names, parse_bytes
 from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.allocator import enable_expandable_segments, wants_expandable_segments
@@ -399,12 +398,11 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
     if engine_of(model) is not None:
         raise RuntimeError("wrap: this model is already wrapped; call trainstream_hf.unwrap(model) first")
     check_wrappable(model)
-    names = [f.name for f in dataclass_fields(TrainStreamConfig)]
     for name in options:
-        if name not in names:
-            near = difflib.get_close_matches(name, names, n=1)
-            raise TypeError(f"wrap: {name}= is not an option{f' (did you mean {near[0]}=?)' if near else ''}; the "
-                            f"options are TrainStreamConfig's fields: {', '.join(names)}")
+        if name not in option_names():
+            near = nearest_option(name)
+            raise TypeError(f"wrap: {name}= is not an option{f' (did you mean {near}=?)' if near else ''}; the "
+                            f"options are TrainStreamConfig's fields: {', '.join(option_names())}")
     config = replace(config, **options) if config is not None else TrainStreamConfig(**options)
     if optimizer is not None:
         own = {id(p) for p in model.parameters()}

@@ -16,7 +16,7 @@ from trainstream_hf.engine import optimizer as opt_mod
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.engine.streams import TransferStreams
-from tests.helpers import max_param_diff, tiny_llama
+from tests.helpers import max_param_diff, micro_batches, step_batch, tiny_llama
 
 STALE = dict(offload_optimizer=True, min_offload_numel=0, vram_budget="64GiB", host_arena=None,
              optimizer_staleness=1, overlap_step=True)
@@ -27,17 +27,12 @@ def _llama(seed=0, dtype=torch.float32):
     return tiny_llama(3, vocab=128, positions=64, seed=seed, dtype=dtype)
 
 
-def _batch(step, b=2, t=16):
-    return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(1000 + step))
+_batch = step_batch
 
 
 def _micro_batches(model, step, accumulation, losses, max_norm):
     """One step's forwards and backwards (the loss scaled per micro-batch), then the clip if any."""
-    for k in range(accumulation):
-        ids = _batch(step * accumulation + k)
-        loss = model(input_ids=ids, labels=ids).loss / accumulation
-        loss.backward()
-        losses.append(loss.detach().clone())
+    micro_batches(model, step, accumulation, losses)
     if max_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

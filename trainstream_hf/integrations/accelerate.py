@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from trainstream_hf.config import TrainStreamConfig, runner_accumulation
+from trainstream_hf.config import TrainStreamConfig, nearest_option, option_names, runner_accumulation
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamPlugin", "TrainStreamAccelerator"]
@@ -123,15 +123,11 @@ class TrainStreamAccelerator(Accelerator):
 
 def _plugin_from_arguments(mode: str | None, options: dict) -> TrainStreamPlugin:
     """The environment's plugin with ``mode`` and ``options`` (TrainStreamConfig fields) over it."""
-    import difflib
-    from dataclasses import fields
-
-    names = [f.name for f in fields(TrainStreamConfig)]
     for name in options:
-        if name not in names:
-            near = difflib.get_close_matches(name, names, n=1)
-            hint = f" (did you mean trainstream_{near[0]}?)" if near else ""
+        if name not in option_names():
+            near = nearest_option(name)
+            hint = f" (did you mean trainstream_{near}?)" if near else ""
             raise ValueError(f"TrainStreamAccelerator: trainstream_{name} names no option{hint}; the options are "
-                             f"TrainStreamConfig's fields: {', '.join(names)}")
+                             f"TrainStreamConfig's fields: {', '.join(option_names())}")
     env = TrainStreamPlugin.from_env()
     return TrainStreamPlugin(enabled=env.enabled if mode is None else mode, config=replace(env.config, **options))

@@ -108,9 +108,10 @@ def _drop_stale_input_grad_hooks(model: nn.Module) -> None:
     hooks = getattr(emb, "_forward_hooks", None)
     if not hooks:
         return
-    held = {h.id for m in model.modules() for h in (getattr(m, "_require_grads_hooks", None) or [])}
-    held |= {h.id for m in model.modules() if getattr(m, "_require_grads_hook", None) is not None
-             for h in [m._require_grads_hook]}
+    held = set()
+    for m in model.modules():  # (the list of 5.17+; the single handle kept for backward compatibility)
+        held.update(h.id for h in [*(getattr(m, "_require_grads_hooks", None) or []),
+                                   getattr(m, "_require_grads_hook", None)] if h is not None)
     for key, fn in list(hooks.items()):
         if getattr(fn, "__name__", "") == "make_inputs_require_grads" and key not in held:
             del hooks[key]
