@@ -1,6 +1,6 @@
 // split_bf16's shared checks (csrc/cpu/split.cpp, csrc/cuda/split.cu).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace trainstream {
 constexpr int64_t kSplitMaxPattern = 8;

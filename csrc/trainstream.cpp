@@ -3,7 +3,7 @@
 // Kernels register themselves beside their definitions (TORCH_LIBRARY_IMPL in csrc/cpu, csrc/cuda).
 // The Python face of every op is the package trainstream_hf/ops/ (wrappers, fake kernels, references).
 #include <torch/library.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "include/trainstream.h"
 

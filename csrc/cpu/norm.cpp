@@ -9,7 +9,10 @@
 // rounded, follow the unfused module's graph; the row sums are taken in another order than torch's reductions, so
 // results may differ from the module in the last bit (tests/test_norm.py bounds it). csrc/cuda/norm.cu: the same on
 // the GPU.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../include/quant_checks.h"

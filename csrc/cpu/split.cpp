@@ -9,7 +9,10 @@
 // GEMM with float32 accumulation over the concatenated inner dimension, the terms above 2^-24 of the product kept
 // (csrc/autograd/dequant_linear.cpp: LoRA adapters in float32 over bf16 activations). csrc/cuda/split.cu: the same
 // on the GPU, bit for bit.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

@@ -11,7 +11,7 @@
 #include <mutex>
 #include <thread>
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "../include/trainstream.h"
 #include "../runtime/thread_pool.h"

@@ -3,7 +3,7 @@
 // two kernels, which apply the same float operations in the same order, write the same bits.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 

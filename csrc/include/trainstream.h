@@ -12,8 +12,13 @@
 #include <tuple>
 #include <vector>
 
-#include <ATen/ATen.h>
-#include <pybind11/pybind11.h>
+#include <ATen/core/Tensor.h>
+
+// Declared, not included: pybind11 costs ~6 s of compile time in each unit that includes it, and only the units
+// that build Python classes need it (they include torch/csrc/utils/pybind.h).
+namespace pybind11 {
+class module_;
+}  // namespace pybind11
 
 namespace trainstream {
 

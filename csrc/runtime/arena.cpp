@@ -12,7 +12,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include <torch/extension.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/utils/pybind.h>
 
 #ifdef TRAINSTREAM_WITH_CUDA
 #include <cuda_runtime.h>
@@ -189,7 +191,8 @@ class HostArena {
 
   // The tensor, or (None, reason) when no free block is large enough.
   py::object empty(std::vector<int64_t> sizes, py::object dtype_obj) {
-    const at::ScalarType dtype = torch::python::detail::py_object_to_dtype(dtype_obj);
+    TORCH_CHECK_TYPE(THPDtype_Check(dtype_obj.ptr()), "HostArena.empty: dtype must be a torch.dtype");
+    const at::ScalarType dtype = reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type;
     int64_t numel = 1;
     for (auto s : sizes) {
       TORCH_CHECK(s >= 0, "HostArena.empty: negative size in ", at::IntArrayRef(sizes));

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <optional>
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "../include/trainstream.h"
 

@@ -20,7 +20,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <torch/extension.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/utils/pybind.h>
 
 #ifdef TRAINSTREAM_WITH_CUDA
 #include <cuda_runtime.h>
