@@ -65,14 +65,6 @@ def _naive_logps(model, batch):
     return (lp * mask).sum(1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(saved)
-
-
 def test_dpo_with_engine_lora_three_steps(tmp_path):
     tok = _tokenizer()
     # A base model + peft_config: TRL 1.16 adds a fresh adapter, and its reference is the model with adapters off.

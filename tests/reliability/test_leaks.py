@@ -110,7 +110,7 @@ def _failed_late(options, monkeypatch):
 def test_nothing_accumulates(cycle, options, monkeypatch):
     run = {"wrap_unwrap": _wrap_unwrap, "drop_without_unwrap": _drop, "failed_wrap": _failed_wrap,
            "failed_late": lambda o: _failed_late(o, monkeypatch)}[cycle]
-    torch.set_num_threads(2)
+    torch.set_num_threads(2)  # (tests/conftest.py sets 1 back after the test)
     run(OPTIONS[options])  # first round: one-time allocations (kernels, thread pools, caches)
     start, rss0 = _resources(), _rss()
     for _ in range(ROUNDS):
