@@ -316,6 +316,33 @@ def test_rows_list_their_losses(tmp_path):
     assert rows["ts_lora"]["losses"][0] == pytest.approx(rows["peft"]["losses"][0], rel=1e-5)
     assert rows["ts_nf4"]["losses"][0] == pytest.approx(rows["peft"]["losses"][0], rel=0.05)
     assert rows["peft"]["losses"][2] < rows["peft"]["losses"][0]  # it trains
+    # and the gradient norm of each warm-up step: the same model and batch give the same scale
+    norms = {key: rows[key]["warmup_grad_norms"] for key in ("peft", "ts_lora", "ts_nf4")}
+    assert all(len(n) == 1 and n[0] > 0 for n in norms.values()), norms
+    assert norms["ts_lora"][0] == pytest.approx(norms["peft"][0], rel=1e-3)
+    assert norms["ts_nf4"][0] == pytest.approx(norms["peft"][0], rel=0.2)
+
+
+def test_harness_records_the_gradient_norm_of_each_warmup_step_only():
+    """warmup_grad_norms: the norm of the gradients each warm-up optimizer step applies (over every parameter group,
+    CPU and device alike), none from the timed steps; no optimizer step, no field."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    seen = []
+
+    def step():
+        loss = layer(torch.randn(3, 8)).square().sum()
+        loss.backward()
+        seen.append(torch.cat([p.grad.flatten() for p in layer.parameters()]).norm().item())
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    row = measure_training("g", lambda: (step, None), device=torch.device("cpu"), warmup=2, repeats=3)
+    assert len(seen) == 5 and row["warmup_grad_norms"] == pytest.approx(seen[:2], rel=1e-6)
+    row = measure_training("n", lambda: ((lambda: None), None), device=torch.device("cpu"), warmup=1, repeats=2)
+    assert "warmup_grad_norms" not in row
 
 
 def test_harness_keeps_no_losses_for_steps_that_return_none():

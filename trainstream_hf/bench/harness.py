@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainstream_hf.bench.common import median_time
 from trainstream_hf.engine.arena import HostMemoryError
@@ -205,6 +206,7 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
     out = {"step_s": None, "tokens_per_s": None, "max_allocated": None, "max_reserved": None,
            "vram_budget": vram_budget, "status": "ok"}
     losses: list = []
+    grad_norms: list = []
     cuda = device.type == "cuda"
     step = raw_step = close = None
     try:
@@ -218,8 +220,9 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             raw_step, close = setup()
             out["setup_s"] = time.perf_counter() - t0
             step = _keeping_losses(raw_step, losses)
-            for _ in range(warmup):
-                step()
+            with _grad_norms_kept(grad_norms):
+                for _ in range(warmup):
+                    step()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -245,12 +248,43 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             out["max_reserved"] = torch.cuda.max_memory_reserved(device)
         if losses and out["status"] == "ok":  # warm-up steps first; each a float now that the steps are over
             out["losses"] = [float(v) for v in losses]
+        if grad_norms and out["status"] == "ok":
+            out["warmup_grad_norms"] = [_total_norm(parts) for parts in grad_norms]
         if close is not None:
             close()
         step = raw_step = close = None
         losses.clear()
+        grad_norms.clear()
         free_memory()
     return {"name": name, **(fields or {}), **out}
+
+
+@contextlib.contextmanager
+def _grad_norms_kept(into: list):
+    """While open, every optimizer step (any ``torch.optim.Optimizer``) first appends the squared norms of the
+    gradients it is about to apply, one tensor per device, not read yet (no synchronisation): a row whose
+    gradients differ in scale from the others' (a quantized backward, a missing loss scale) shows in
+    ``warmup_grad_norms`` even where Adam's normalisation hides it in the losses. Warm-up steps only: the timed
+    steps run without the hook."""
+    def hook(optimizer, args, kwargs):
+        by_device: dict = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+        if by_device:
+            into.append([torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
+                         for grads in by_device.values()])
+
+    handle = register_optimizer_step_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _total_norm(parts: list) -> float:
+    return float(sum(float(t) for t in parts)) ** 0.5
 
 
 def _keeping_losses(step: Step, into: list) -> Step:
