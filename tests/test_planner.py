@@ -649,3 +649,7 @@ def test_recompute_buys_device_share_when_the_optimizer_outlasts_the_forwards():
     assert not dear.recomputed_blocks and dear.resident_numel == plain.resident_numel
     unknown = _plan(model, vram_budget=budget, cpu_adam_pps=slow_cpu, **kw)
     assert not unknown.recomputed_blocks
+    # each micro-batch recomputes: a forward cheap enough for one per step is too dear for eight
+    assert _plan(model, vram_budget=budget, forward_seconds=0.03, cpu_adam_pps=slow_cpu, **kw).recomputed_blocks
+    assert not _plan(model, vram_budget=budget, forward_seconds=0.03, cpu_adam_pps=slow_cpu, accumulation=8,
+                     **kw).recomputed_blocks
