@@ -3,7 +3,8 @@
 # (.whl, and Unsloth's own folder .whl-unsloth), builds the extension, then runs each table given in TABLES (one
 # set of `python -m trainstream_hf.bench table` arguments per line) one after another in a process session of its
 # own, and waits (a line that starts with a suite name, e.g. `cache --quick`, runs that suite instead of the table;
-# `round engine_full cache` runs those steps of scripts/gpu_round.sh, their JSON under round/);
+# `round engine_full cache` runs those steps of scripts/gpu_round.sh, their JSON under round/; leading NAME=value
+# words set that line's environment: `TRAINSTREAM_FP8_GEMM=torch --shape llama3.1-8b --peers ts_fp8`);
 # `wait` waits for that session. Both copy what is written so far (JSON, markdown, logs) to $OUT
 # and return before LIMIT seconds (default 570).
 #   TRAINSTREAM_COMMIT=<sha> TABLES=$'--shape llama3.1-8b\n--shape mistral-7b --peers ts_nf4,bnb_ckpt' \
@@ -51,12 +52,14 @@ if [[ ${1:-} == start ]]; then
     while IFS= read -r args; do
       [[ -z $args ]] && continue
       echo "== table $args ($(date -u +%H:%M:%S))" >> "$0/progress.log"
+      envs=(PYTHONUNBUFFERED=1); re="^([A-Z][A-Z0-9_]*=[^ ]*) +(.*)"  # leading NAME=value words: that line'"'"'s environment
+      while [[ $args =~ $re ]]; do envs+=("${BASH_REMATCH[1]}"); args=${BASH_REMATCH[2]}; done
       case $args in micro*|peers*|engine*|quant*|sqnr*|table*|host*|cache*) suite=;; round*) suite=round;; *) suite=table;; esac
       if [[ $suite == round ]]; then  # `round <steps>`: scripts/gpu_round.sh steps, its summary as round-<steps>.log
-        mkdir -p "$0/round" && OUT="$0/round" bash scripts/gpu_round.sh ${args#round} 2>> "$0/table.err"
+        mkdir -p "$0/round" && env "${envs[@]}" OUT="$0/round" bash scripts/gpu_round.sh ${args#round} 2>> "$0/table.err"
         cp "$0/round/summary.log" "$0/$(echo $args | tr -c "a-z0-9.\n" -).log" 2>/dev/null
       else
-      '"$PY"' -m trainstream_hf.bench $suite $args --out "$0" > "$0/table-$(echo $suite $args | tr -c "a-z0-9.\n" -).md" 2>> "$0/table.err"
+      env "${envs[@]}" '"$PY"' -m trainstream_hf.bench $suite $args --out "$0" > "$0/table-$(echo $suite $args | tr -c "a-z0-9.\n" -).md" 2>> "$0/table.err"
       fi
       echo "   exit $? ($(date -u +%H:%M:%S))" >> "$0/progress.log"
       rm -rf /tmp/trainstream-bench-models  # the checkpoints saved for Unsloth (~16 GB a shape)
