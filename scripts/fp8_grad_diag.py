@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import sys
 
@@ -90,7 +89,7 @@ def run(shape="llama3.1-8b", blocks=4, tokens=2048, device=None, small=False, va
     x0 = torch.randn(1, tokens, cfg.hidden_size, generator=g).to(device, torch.bfloat16)
     dy = torch.randn(1, tokens, cfg.hidden_size, generator=g).to(device, torch.bfloat16) * 1e-3
     pos = torch.arange(tokens, device=device)[None]
-    pe = rope(x0, pos)
+    pe = rope.to(device)(x0, pos)
     lora = [n for n, p in model.named_parameters() if p.requires_grad]
     first = [n for n in lora if ".layers.0." in n]
     last = [n for n in lora if f".layers.{blocks - 1}." in n]

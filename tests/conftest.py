@@ -108,4 +108,3 @@ def _autograd_node_names(y):
 def graph_names():
     """The names of every autograd node behind a tensor: ``graph_names(y)``."""
     return _autograd_node_names
-
