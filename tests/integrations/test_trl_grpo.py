@@ -359,3 +359,39 @@ def test_checkpointing_toggles_leave_one_input_grad_hook_and_compile_once(tmp_pa
     assert max(hooks) <= 1, seen  # (without the cleanup: 2, 4, 6, 8)
     assert graphs[-1] == graphs[-2] == graphs[-3], seen
 
+
+
+def test_out_of_memory_beside_a_kept_static_cache_says_what_is_outside_the_plan(tmp_path):
+    """A training step that runs out of device memory while compiled generation keeps its static TrainStreamCache
+    raises torch's OutOfMemoryError still, its message leading with the cache's device bytes (outside the engine's
+    plan) and what to do; the cache is released. Without a kept cache torch's error passes unchanged."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 68.00 MiB.")
+
+    tok = _tokenizer()
+    for cache in (0.5, None):
+        trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward,
+                                         args=_args(tmp_path / str(cache), max_steps=2), train_dataset=_prompts(),
+                                         processing_class=tok, peft_config=LoraConfig(**LORA),
+                                         trainstream_config=TrainStreamConfig(**ENGINE), generation_cache=cache,
+                                         compiled_generation=True)
+        compile_config = CompileConfig(backend="eager", mode=None)
+        compile_config._compile_all_devices = True
+        trainer.generation_config.compile_config = compile_config
+        trainer.compute_loss = oom  # after the step's generation
+        torch._dynamo.reset()
+        try:
+            with pytest.raises(torch.OutOfMemoryError) as info:
+                trainer.train()
+        finally:
+            torch._dynamo.reset()
+        message = str(info.value)
+        if cache is None:
+            assert message == "CUDA out of memory. Tried to allocate 68.00 MiB."
+        else:
+            assert "\n" not in message and message.startswith("TrainStreamGRPOTrainer: out of device memory")
+            assert "GiB on the device" in message and "vram_budget" in message
+            assert message.endswith("(CUDA out of memory. Tried to allocate 68.00 MiB.)")
+            assert trainer._ts_kept_cache == {}

@@ -98,6 +98,16 @@ def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
             return
 
 
+def _kept_cache_oom(device_bytes: int, err: BaseException) -> str:
+    """The out-of-memory message of a training step while compiled generation keeps its static cache: what is
+    outside the engine's plan and what to do, then torch's own first line."""
+    return (f"TrainStreamGRPOTrainer: out of device memory in a training step while compiled generation keeps its "
+            f"static TrainStreamCache ({device_bytes / 2**30:.2f} GiB on the device) and its CUDA graphs' memory "
+            f"between steps, outside the engine's plan: lower trainstream's vram_budget by at least that much, lower "
+            f"generation_cache (fewer resident layers), or pass compiled_generation=False. "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+
+
 def _drop_stale_input_grad_hooks(model: nn.Module) -> None:
     """TRL 1.16 turns gradient checkpointing off around each generation and on again, and transformers'
     ``enable_input_require_grads`` (5.17 to 5.25) registers a new ``make_inputs_require_grads`` hook on the input
@@ -258,7 +268,9 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
             ``generation_cache`` the static cache is a ``TrainStreamCache(static=True)``: the resident layers' updates
             are in the compiled graph, each offloaded layer's copies run between graphs. That cache is kept between
             steps (its device bytes beside training's, as transformers keeps its static cache) and released when
-            ``train()`` returns.
+            ``train()`` returns. Those bytes and the CUDA graphs' memory are outside the engine's plan: a training
+            step that then runs out of memory raises torch's ``OutOfMemoryError`` with the cache's size and what to
+            lower first.
 
     Raises:
         ValueError: ``beta > 0`` and the policy is not a PEFT model; ``ref_chunk_tokens < 1``; a ``generation_cache``
@@ -350,6 +362,11 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
         try:
             with generation_through_cache(policy, self.generation_cache, keep):  # TRL generates inside the step
                 return super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError as err:
+            kept = keep.get("cache") if keep else None
+            if kept is None:
+                raise
+            raise torch.OutOfMemoryError(_kept_cache_oom(kept.memory()["device"], err)) from err
         finally:
             _drop_stale_input_grad_hooks(policy)
 
