@@ -653,3 +653,25 @@ def test_recompute_buys_device_share_when_the_optimizer_outlasts_the_forwards():
     assert _plan(model, vram_budget=budget, forward_seconds=0.03, cpu_adam_pps=slow_cpu, **kw).recomputed_blocks
     assert not _plan(model, vram_budget=budget, forward_seconds=0.03, cpu_adam_pps=slow_cpu, accumulation=8,
                      **kw).recomputed_blocks
+
+
+def test_an_optimizer_in_backward_recomputes_where_its_cpu_share_outlasts_the_backward():
+    """optimizer_in_backward: the CPU steps each block as its gradients land, so forwards recomputed inside the
+    backward cost nothing while the CPU share outlasts it. A forward too dear to recompute for a step's optimizer at
+    step() (0.2 s a block against ~1.4 s less CPU work) is worth it there; not once the backward is the longer."""
+    model = _llama(layers=8)
+    kw = dict(offload_optimizer=True, min_offload_numel=2000, grads="host", optimizer_resident=True,
+              optimizer_streamed=False, batch_shape=(1, 32))
+    base = _plan(model, **{**kw, "optimizer_resident": False})
+    budget = int((base.predicted_peak() + base.margin + base.offload_numel // 2) / (1 - planner.DEVICE_SHARE_RESERVE))
+    slow_cpu = base.offload_numel / 10.0  # the CPU share alone takes ~10 s
+    at_step = _plan(model, vram_budget=budget, forward_seconds=0.2, cpu_adam_pps=slow_cpu, **kw)
+    inside = _plan(model, vram_budget=budget, forward_seconds=0.2, cpu_adam_pps=slow_cpu, optimizer_in_backward=True,
+                   **kw)
+    assert not at_step.recomputed_blocks and not at_step.in_backward
+    assert inside.in_backward and inside.recomputed_blocks and inside.fits()
+    assert inside.predicted_step_floor() < at_step.predicted_step_floor()
+    # a backward longer than the CPU share: recomputation is paid for again
+    fast_cpu = base.offload_numel / 0.5
+    assert not _plan(model, vram_budget=budget, forward_seconds=0.2, cpu_adam_pps=fast_cpu, optimizer_in_backward=True,
+                     **kw).recomputed_blocks

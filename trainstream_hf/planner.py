@@ -145,6 +145,9 @@ class Plan:
     optimizer_host_bytes: int | None = None
     min_offload_numel: int = MIN_OFFLOAD_NUMEL
     forward_seconds: float | None = None  # one block's measured forward time
+    # the optimizer steps each parameter as its gradient lands (optimizer_in_backward): the CPU share runs beside the
+    # rest of the backward, recomputed forwards included
+    in_backward: bool = False
 
     # -- predictions ----------------------------------------------------------------------------
     @property
@@ -657,7 +660,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0,
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
          device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None,
-         optimizer_moments: str = "float32", accumulation: int = 1) -> Plan:
+         optimizer_moments: str = "float32", accumulation: int = 1, optimizer_in_backward: bool = False) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -700,6 +703,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         accumulation: micro-batches per optimizer step. From the second on, each forward runs beside the gradients
             held until ``step()`` (all of them with device gradients), and a bf16 parameter's host gradient gets its
             fp32 accumulator.
+        optimizer_in_backward: the optimizer steps each parameter as its gradient lands (``wrap``'s option): a
+            recomputed forward then runs while the CPU steps the later blocks, which decides whether recomputing
+            blocks to hold more optimizer state on the device pays (``_recompute_for_device_share``).
         host_budget: host RAM the plan may fill (None: unlimited). When offloaded activations would pass it (long
             sequences), blocks that can be recomputed keep only their input in host RAM (``recompute_host``), first
             block first, as long as the device still fits.
@@ -762,7 +768,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                          f"{accumulation!r}")
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel, forward_seconds=forward_seconds,
-              moment_bytes=2 if optimizer_moments == "bfloat16" else 4, accumulation=int(accumulation))
+              moment_bytes=2 if optimizer_moments == "bfloat16" else 4, accumulation=int(accumulation),
+              in_backward=bool(optimizer_in_backward))
 
     def settle(offload_opt: bool, grads_host: bool, only: list[tuple[str, nn.Parameter]] | None = None) -> None:
         """Optimizer state of every big trainable parameter (``only``: of these) on the host, or of none."""
@@ -904,16 +911,25 @@ def _recompute_for_device_share(pl: Plan, before: Plan, candidates, share: dict)
     that frees holds enough more resident optimizer state (12 bytes an element, no CPU or PCIe time) to shorten the
     step: predicted as the step floor (the CPU AdamW or the link, whichever ends last) plus one forward per recomputed
     block and micro-batch (at 8 micro-batches the 3B plan recomputed every block for ~0.1 s less floor and its step
-    went from 1.63 to 2.19 s: H100, engine-full-3b-accum8-h100-70fdb04.json). A full fine-tune's optimizer step
-    outlasts its forward and backward (3B at 24 GiB: ~0.4 s of CPU and PCIe work against ~0.15 s of compute on an
-    H100), so a block's activations are worth more as optimizer state there.
+    went from 1.63 to 2.19 s: H100, engine-full-3b-accum8-h100-70fdb04.json). With ``in_backward``: the forward plus
+    the longer of the floor and the backward with its recomputed forwards, since the CPU works beside the backward
+    (at 3B that plan, forced to recompute every block, took 0.535 s against 0.635 s without: H100,
+    engine-full-3b-h100-70fdb04.json). A full fine-tune's optimizer step outlasts its forward and backward (3B at 24
+    GiB: ~0.4 s of CPU and PCIe work against ~0.15 s of compute on an H100), so a block's activations are worth more
+    as optimizer state there.
     ``before``: ``pl`` before its device share was chosen. Needs the measured forward time."""
     takers = [b.index for b in before.blocks if b.activations == "device" and b.can_recompute]
     if before.forward_seconds is None or not takers:
         return pl
 
     def cost(p: Plan) -> float:  # per optimizer step: each micro-batch recomputes its blocks
-        return p.predicted_step_floor() + (p.recompute_seconds() or 0.0) * p.accumulation
+        extra = (p.recompute_seconds() or 0.0) * p.accumulation
+        if p.in_backward:
+            # The CPU steps each block's parameters as its gradients land, so the backward (about two forwards a
+            # block) and the recomputed forwards in it run beside the CPU share; the forward runs before it.
+            forward = p.forward_seconds * len(p.blocks)
+            return forward + max(2 * forward + extra, p.predicted_step_floor())
+        return p.predicted_step_floor() + extra
 
     best, best_cost = pl, cost(pl)
     n = len(takers)

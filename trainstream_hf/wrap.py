@@ -607,7 +607,7 @@ def _make_plan(s: _Setup) -> planner.Plan:
             forward_seconds=None if m is None else m.forward_seconds, head_bytes=head,
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
             cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments,
-            accumulation=config.gradient_accumulation_steps)
+            accumulation=config.gradient_accumulation_steps, optimizer_in_backward=config.optimizer_in_backward)
 
     pl = make_plan(None if m is None else m.activation_bytes)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \

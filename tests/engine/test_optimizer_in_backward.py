@@ -82,10 +82,12 @@ def test_matches_torch_adamw_with_warmup(min_offload_numel, slow, monkeypatch):
 def test_equal_to_the_ordinary_step(dtype):
     """The same wrapped model with and without the option (host grads, overlapped step): the same bits."""
     runs = []
-    for extra in ({"optimizer_in_backward": True}, {"grads": "host", "overlap_step": True}):
+    for extra in ({"optimizer_in_backward": True},
+                  {"optimizer_in_backward": False, "grads": "host", "overlap_step": True}):
         model = _llama(dtype=dtype)
         opt = torch.optim.AdamW(model.parameters(), **HP)
         model, opt = ts.wrap(model, opt, **{**INBWD, **extra})
+        assert ts.plan(model).in_backward == extra["optimizer_in_backward"]  # (what the plan weighs recomputation by)
         losses = _train(model, opt, 5, sched=get_linear_schedule_with_warmup(opt, 2, 5))
         sd = opt.state_dict()
         ts.unwrap(model)
