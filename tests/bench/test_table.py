@@ -26,6 +26,7 @@ def test_rows_run_apart_on_the_same_model_and_make_one_table(tmp_path, capsys):
     shown = {r["row"]: r for r in payload["table"]}
     assert min(r["vs_fastest"] for r in shown.values() if r["vs_fastest"] is not None) == 1.0
     assert shown["trainstream nf4"]["last_loss"] == rows["ts_nf4"]["losses"][-1]
+    assert shown["trainstream nf4"]["grad_norm"] == rows["ts_nf4"]["warmup_grad_norms"][0] > 0
     assert payload["environment"]["commit"] and payload["environment"]["command"].endswith("--name t")
     out = capsys.readouterr().out
     assert "| row | status | step_s |" in out and "bitsandbytes QLoRA nf4 + PEFT | not run" in out

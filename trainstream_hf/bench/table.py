@@ -10,7 +10,8 @@ or a hang cannot touch another's: a child that dies or outlives ``row_timeout`` 
 out-of-memory under the cap is a row with the peak it reached, a peer that is not installed is a row saying so.
 
 Columns: median step, tokens/s, peak allocated and reserved VRAM, the step time over the fastest row's, the last
-loss (every step's loss is in the JSON, so a fast row that trains something else shows), and for trainstream rows
+loss (every step's loss is in the JSON, so a fast row that trains something else shows), the gradient norm of the
+first step (every warm-up step's is in the JSON: Adam hides a gradient's scale in the losses), and for trainstream rows
 the plan's first line and the PCIe GB/s of the last step. The JSON (``results``: the rows; the environment:
 command, commit, GPU, versions, date) is what the README's table is made from (:func:`readme_table`).
 """
@@ -71,7 +72,7 @@ UNCAPPED = frozenset({"peft_uncapped"})
 # Rows whose process gets the environment of trainstream_hf.bench.unsloth.child_env (Unsloth's own folder first).
 UNSLOTH = frozenset({"unsloth", "unsloth_ckpt"})
 COLUMNS = ("row", "status", "step_s", "tokens_per_s", "mfu", "alloc_GiB", "reserved_GiB", "vs_fastest", "last_loss",
-           "pcie_GBps", "plan")
+           "grad_norm", "pcie_GBps", "plan")
 
 
 def run_row(row: str, *, shape: str, batch: int, seq: int, warmup: int, repeats: int,
@@ -151,7 +152,8 @@ def summarize(rows: list[dict], payload: Optional[dict] = None) -> list[dict]:
             "alloc_GiB": None if r.get("max_allocated") is None else r["max_allocated"] / GiB,
             "reserved_GiB": None if r.get("max_reserved") is None else r["max_reserved"] / GiB,
             "vs_fastest": r["step_s"] / fastest if ok and fastest else None,
-            "last_loss": losses[-1] if losses else None, "pcie_GBps": pcie, "plan": r.get("plan")})
+            "last_loss": losses[-1] if losses else None, "grad_norm": (r.get("warmup_grad_norms") or [None])[0],
+            "pcie_GBps": pcie, "plan": r.get("plan")})
     return table
 
 
