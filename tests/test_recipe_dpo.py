@@ -91,6 +91,7 @@ def test_stock_trl_baseline_gives_the_same_figures(dpo, tmp_path):
         assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
         assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b)), key
     assert "median_generation_seconds" not in stock["timing"]  # DPO samples nothing
+    assert "generation_seconds" not in stock["timing"] and len(stock["timing"]["step_seconds"]) == 2
 
 
 @pytest.mark.parametrize("args, error, match", [

@@ -96,6 +96,9 @@ def test_stock_trl_baseline_samples_as_trainstream_and_times_generation(grpo, tm
         t = run["timing"]
         assert 0 < t["median_generation_seconds"] < t["median_step_seconds"]
         assert t["median_train_seconds"] > 0
+        # every step's figures too (a compiled decode step's first one holds its compilation)
+        assert len(t["step_seconds"]) == len(t["generation_seconds"]) == 2
+        assert all(0 < g < s for g, s in zip(t["generation_seconds"], t["step_seconds"]))
     # TRL's own generation path only: trainstream's paged cache is refused, as is a bitsandbytes base on the CPU
     with pytest.raises(ConfigError, match="grpo.generation_cache=0.5 samples through trainstream's TrainStreamCache"):
         grpo(args + ["--output_dir", str(tmp_path / "x"), "--trainer", "trl", "--grpo.generation_cache", "0.5"])

@@ -317,6 +317,10 @@ def summary(run: Run, recipe: str, model, counts: dict, progress: Progress, log_
         **results,
         "trainer": trainer_of(cfg),
         "timing": {"train_seconds": train_seconds, "median_step_seconds": statistics.median(progress.seconds),
+                   # every step's, first included (a compiled decode step pays its compilation there)
+                   "step_seconds": list(progress.seconds),
+                   **({"generation_seconds": list(progress.generation_seconds)}
+                      if any(progress.generation_seconds) else {}),
                    # GRPO: each step's sampling (generate()) and the rest (scoring, reference, forward, backward, step)
                    **({"median_generation_seconds": statistics.median(progress.generation_seconds),
                        "median_train_seconds": statistics.median(
