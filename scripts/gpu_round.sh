@@ -42,7 +42,8 @@ for s in "$@"; do case $s in
   quant_untuned) TRAINSTREAM_FP8_GEMM_TUNE=0 run 60 quant_untuned $B quant --peers bf16,fp8 --out "$OUT" \
       --name "quant-fp8-untuned-$GPU-$SHA" ;;
   fp8_grad_diag) run 240 fp8_grad_diag python3 scripts/fp8_grad_diag.py --shape llama3.1-8b --blocks 4 --tokens 2048 \
-      --out "$OUT/fp8-grad-diag-$GPU-$SHA.json" ;;  # where the FP8 tensor-core gradients part from exact maths
+      --out "$OUT/fp8-grad-diag-$GPU-$SHA.json"  # where the FP8 tensor-core gradients part from exact maths
+      run 200 fp8_layer_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_fp8_cuda.py ;;
   fp8_profile) run 90 fp8_profile $B quant --peers bf16,fp8 --profile 5 --out "$OUT" --name "profile-quant-fp8-$GPU-$SHA" ;;
   profile_8b) run 400 profile_8b $B table --peers ts_nf4,peft_uncapped --warmup 2 --repeats 3 --profile 2 \
       --out "$OUT" --name "profile-table-$GPU-$SHA" ;;
