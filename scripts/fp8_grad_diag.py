@@ -100,25 +100,23 @@ def run(shape="llama3.1-8b", blocks=4, tokens=2048, device=None, small=False, va
             x = x[0] if isinstance(x, tuple) else x
         return x
 
+    named = dict(model.named_parameters())
+    quants = [mod for mod in model.modules() if isinstance(mod, QuantLinear)]
+    layers = list(model.base_model.model.layers)
     grads = {}
     for v in variants:
-        m = model
-        for p in m.parameters():
+        for p in named.values():
             p.grad = None
-        quants = [mod for mod in m.modules() if isinstance(mod, QuantLinear)]
         for q in quants:
             q.fp8_transpose_cache = v != "tc_nocache"
             q.clear_fp8_transpose_cache()
-            q._paths = {}
-        layers = m.base_model.model.layers if hasattr(m, "base_model") else m.layers
-        run_layers = [torch.compile(b) for b in layers] if v == "tc_compiled" else list(layers)
+            q._paths = {}  # the path chosen for the last variant goes
+        run_layers = [torch.compile(b) for b in layers] if v == "tc_compiled" else layers
         if cuda:
             ops.set_fp8_gemm("torch" if v == "tc_torch" else None)
         x = x0.clone().requires_grad_()
         with _path(v):
-            out = forward(run_layers, x)
-            out.backward(dy)
-        named = dict(m.named_parameters())
+            forward(run_layers, x).backward(dy)
         grads[v] = {"input": x.grad.float().flatten(),
                     "first": torch.cat([named[n].grad.float().flatten() for n in first]),
                     "last": torch.cat([named[n].grad.float().flatten() for n in last])}

@@ -123,11 +123,12 @@ class TrainStreamAccelerator(Accelerator):
 
 def _plugin_from_arguments(mode: str | None, options: dict) -> TrainStreamPlugin:
     """The environment's plugin with ``mode`` and ``options`` (TrainStreamConfig fields) over it."""
+    names = option_names()
     for name in options:
-        if name not in option_names():
+        if name not in names:
             near = nearest_option(name)
             hint = f" (did you mean trainstream_{near}?)" if near else ""
             raise ValueError(f"TrainStreamAccelerator: trainstream_{name} names no option{hint}; the options are "
-                             f"TrainStreamConfig's fields: {', '.join(option_names())}")
+                             f"TrainStreamConfig's fields: {', '.join(names)}")
     env = TrainStreamPlugin.from_env()
     return TrainStreamPlugin(enabled=env.enabled if mode is None else mode, config=replace(env.config, **options))
