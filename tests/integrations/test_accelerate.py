@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from transformers import get_linear_schedule_with_warmup
 
 import trainstream_hf as ts
@@ -58,6 +59,29 @@ def test_the_plan_takes_accelerates_gradient_accumulation():
     acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert ts.engine_of(model).plan.accumulation == 4
     acc.end_training()
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("no", None)])
+def test_the_block_is_measured_in_the_prepared_forwards_precision(monkeypatch, precision, dtype):
+    """prepare() measures a block under the autocast Accelerate's mixed precision runs the forward in: the
+    activations the plan counts are the trained ones (and compiled blocks compile for that forward once)."""
+    from trainstream_hf import planner
+
+    seen, measure = [], planner.measure_block
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "measure_block", spy)
+    AcceleratorState._reset_state(reset_partial_state=True)  # the process's state holds one mixed precision
+    plugin = TrainStreamPlugin("on", TrainStreamConfig(vram_budget="64GiB"))
+    acc = TrainStreamAccelerator(cpu=True, mixed_precision=precision, trainstream_plugin=plugin)
+    model = _model()
+    acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert seen and set(seen) == {dtype} and not torch.is_autocast_enabled("cpu")
+    acc.end_training()
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_plugin_from_env():

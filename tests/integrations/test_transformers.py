@@ -171,6 +171,27 @@ def test_engine_installed_when_the_optimizer_is_created(tmp_path):
     ts.unwrap(model)
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_block_is_measured_in_the_trainers_precision(tmp_path, monkeypatch, bf16):
+    """With bf16=True the Trainer's forward runs under autocast; the engine measures its block under the same
+    autocast when it installs, so the plan counts the activations training saves."""
+    from trainstream_hf import planner
+
+    seen, measure = [], planner.measure_block
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "measure_block", spy)
+    model = _model()
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",
+                                        bf16=bf16, **COMMON)
+    TrainStreamTrainer(model=model, args=args, train_dataset=_data()).create_optimizer()
+    assert seen and set(seen) == {torch.bfloat16 if bf16 else None} and not torch.is_autocast_enabled("cpu")
+    ts.unwrap(model)
+
+
 def test_the_plan_takes_the_trainers_gradient_accumulation(tmp_path):
     model = _model()
     args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",

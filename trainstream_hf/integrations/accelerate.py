@@ -106,7 +106,8 @@ class TrainStreamAccelerator(Accelerator):
                 config = replace(config, device="cpu" if self.device.type == "cpu" else str(self.device))
             config = replace(config, gradient_accumulation_steps=runner_accumulation(  # Accelerate's micro-batches
                 config.gradient_accumulation_steps, self.gradient_accumulation_steps, "Accelerate's"))
-            _, new_opt = wrap(model, inner, config)
+            with self.autocast():  # the block measured as the prepared forward runs it (mixed precision)
+                _, new_opt = wrap(model, inner, config)
             if oi is not None and new_opt is not inner:
                 if inner is args[oi]:
                     args[oi] = new_opt

@@ -21,6 +21,7 @@ place first (:func:`quantize_frozen_base`). Targets transformers 5.17-5.24 and a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -112,6 +113,15 @@ def refuse_quantized_without_adapters(model: nn.Module, who: str) -> None:
                          "target_modules='all-linear'))")
 
 
+def training_autocast(args, device=None):
+    """The autocast the Trainer's forward runs in for ``args`` (``bf16`` / ``fp16``; Accelerate's mixed precision),
+    on ``device`` (default ``args.device``); a context that does nothing without mixed precision."""
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device if device is not None else args.device).type, dtype=dtype)
+
+
 class TrainStreamCallback(TrainerCallback):
     """Installs trainstream into a Trainer's model and optimizer when training begins.
 
@@ -176,7 +186,10 @@ class TrainStreamCallback(TrainerCallback):
                 p.device != torch.device(args.device) for p in model.parameters()):
             cfg = replace(cfg, device=str(args.device))
         dense = {n for n, m in model.named_modules() if type(m) is nn.Linear} if cfg.quantize is not None else set()
-        _, new_opt = wrap(model, optimizer, cfg)  # with quantize set, wrap packs the frozen base (all or nothing)
+        # with quantize set, wrap packs the frozen base (all or nothing); it measures a block under the autocast the
+        # Trainer's forward runs in: the activations as trained, and compiled blocks compile once, not twice
+        with training_autocast(args, cfg.device):
+            _, new_opt = wrap(model, optimizer, cfg)
         if cfg.quantize is not None:
             self.quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n in dense]
             # ... and marks it as a loaded one would be, so that after train() the user's model can be dequantized,
