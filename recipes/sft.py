@@ -169,7 +169,9 @@ def train_plain(model, batches, tc, ts_cfg, device: torch.device, mixed: str,
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tc.betas,
                                   weight_decay=tc.weight_decay)
     if ts_cfg is not None:
-        model, optimizer = trainstream_hf.wrap(model, optimizer, config=ts_cfg)
+        # under the loop's autocast: the plan measures a block as the loop runs it (docs/architecture.md)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
+            model, optimizer = trainstream_hf.wrap(model, optimizer, config=ts_cfg)
         if procs.main:
             tqdm.write(str(model.trainstream_plan))
     forward = model
