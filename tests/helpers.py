@@ -215,3 +215,73 @@ def cuda_median_ms(fn, warmup: int = 5, repeats: int = 30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+# --- processes -------------------------------------------------------------------------------------------------------
+
+# The modules a warm process starts with: importing them takes a fresh interpreter ~4-6 s on the 2-core CI machine,
+# most of a short child run's time.
+WARM_MODULES = ["torch", "transformers", "transformers.trainer", "peft", "trainstream_hf",
+                "trainstream_hf.integrations.transformers"]
+_warm_context = None
+
+
+class WarmProcess:
+    """``fn(*args)`` in a process forked from a server that imported :data:`WARM_MODULES` once (multiprocessing's
+    forkserver: the server never ran a thread or a kernel of torch, so each child starts clean), its stdout and
+    stderr in ``log``. The part of ``subprocess.Popen`` the tests use: ``pid``, ``poll()``, ``wait(timeout)``,
+    ``send_signal()`` and ``returncode`` (``-signal`` when a signal ended it, 1 on an exception).
+
+    Unlike a fresh interpreter, the child's modules were imported with the environment the server started with:
+    only variables read after import (``env``) reach it. ``fn`` must be importable by its module's name."""
+
+    def __init__(self, fn, *args, log, env: dict | None = None, drop_env_prefix: str | None = None):
+        global _warm_context
+        import multiprocessing
+
+        if _warm_context is None:
+            _warm_context = multiprocessing.get_context("forkserver")
+            _warm_context.set_forkserver_preload(WARM_MODULES)
+        self._proc = _warm_context.Process(target=_run_logged, args=(str(log), env or {}, drop_env_prefix, fn, args))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"WarmProcess({self.pid})", timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        import os
+
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+
+def _run_logged(log: str, env: dict, drop_env_prefix: str | None, fn, args) -> None:
+    import os
+    import sys
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if drop_env_prefix:
+        for k in [k for k in os.environ if k.startswith(drop_env_prefix)]:
+            del os.environ[k]
+    os.environ.update(env)
+    torch.set_num_threads(1)  # as the tests run (tests/conftest.py)
+    fn(*args)
+    sys.stdout.flush()

@@ -1,16 +1,14 @@
 """A Trainer run killed (SIGKILL) at any point, saves included, resumes from its last complete checkpoint and finishes
 as the uninterrupted run does; a checkpoint-* folder is never incomplete. A train() that fails leaves nothing installed.
 
-Run as a script (``python test_kill_save.py OUT``) this file is the run that the test kills: a TrainStreamTrainer with
-paged trainable weights saving every step, resuming from the last checkpoint in OUT when there is one."""
+The run the test kills (:func:`child_run`, each in a process of its own) is a TrainStreamTrainer with paged trainable
+weights saving every step, resuming from the last checkpoint in its folder when there is one."""
 import hashlib
 import json
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from transformers.trainer_utils import get_last_checkpoint
 import trainstream_hf as ts
 from trainstream_hf.integrations.transformers import STAGING_PREFIX, TrainStreamTrainer, TrainStreamTrainingArguments
 from tiny import tiny_llama, token_rows
+from tests.helpers import WarmProcess
 
 MAX_STEPS = 24
 # what a complete checkpoint of the run holds
@@ -93,13 +92,15 @@ def train_run(out, kill_at=None) -> dict:
             "global_step": trainer.state.global_step, "weights": digest.hexdigest(), "resumed": resume}
 
 
-def _child(out: Path, log: Path, kill_at=None) -> subprocess.Popen:
-    """The run in a process of its own, its output in ``log`` (a pipe nobody reads while it runs could fill)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSTREAM")}
-    if kill_at is not None:
-        env["KILL_AT"] = f"{kill_at[0]}:{kill_at[1]}"
-    with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, __file__, str(out)], env=env, stdout=f, stderr=subprocess.STDOUT)
+def _child(out: Path, log: Path, kill_at=None) -> WarmProcess:
+    """The run in a process of its own (forked with its modules imported: tests/helpers.py), its output in ``log``
+    (a pipe nobody reads while it runs could fill)."""
+    return WarmProcess(child_run, str(out), kill_at, log=log, drop_env_prefix="TRAINSTREAM")
+
+
+def child_run(out: str, kill_at) -> None:
+    """What a child runs: :func:`train_run`, its result printed on a ``RESULT`` line."""
+    print("RESULT " + json.dumps(train_run(out, kill_at)), flush=True)
 
 
 def _checkpoints(out: Path) -> dict[int, Path]:
@@ -226,9 +227,3 @@ def test_failed_train_leaves_nothing_installed(tmp_path):
         if not unwrap_at_end:
             ts.unwrap(model)
 
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)  # as the tests run (tests/conftest.py)
-    kill = os.environ.get("KILL_AT")
-    at = (int(kill.split(":")[0]), kill.split(":")[1]) if kill else None
-    print("RESULT " + json.dumps(train_run(sys.argv[1], at)), flush=True)
