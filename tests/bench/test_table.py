@@ -19,7 +19,9 @@ def test_rows_run_apart_on_the_same_model_and_make_one_table(tmp_path, capsys):
     assert list(rows) == ["ts_auto", "peft", "ts_nf4", "bnb"]
     for name in ("ts_auto", "peft", "ts_nf4"):
         assert rows[name]["status"] == "ok" and rows[name]["step_s"] > 0 and len(rows[name]["losses"]) == 4
-    assert rows["bnb"]["status"].startswith("not run")  # not installed here: a row that says so
+    # not installed here: a row that says so, without a process started for it
+    assert rows["bnb"]["status"] == "not run: bitsandbytes not installed" and "wall_s" not in rows["bnb"]
+    assert set(table.NEEDS) <= {fn for _, _, fn, _ in table.ROWS.values()}
     # one seeded base for every row: the unquantized rows start from the same loss, bit for bit
     assert rows["ts_auto"]["losses"][0] == rows["peft"]["losses"][0]
     assert "plan" in rows["ts_auto"] and "engine_stats" in rows["ts_auto"]

@@ -18,6 +18,7 @@ command, commit, GPU, versions, date) is what the README's table is made from (:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -87,9 +88,17 @@ def run_row(row: str, *, shape: str, batch: int, seq: int, warmup: int, repeats:
     return {**result, "row": row, "label": label}
 
 
+# A peer's library, by the row function that needs it: a row whose library this interpreter lacks is "not run"
+# (the reason its own function gives) without starting a process for it.
+NEEDS = {"bnb_qlora": "bitsandbytes", "deepspeed_zero2_offload": "deepspeed"}
+
+
 def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
     """``row`` in a child process; a crash or a timeout is the row's status."""
     label = ROWS[row][0]
+    need = NEEDS.get(ROWS[row][2])
+    if need is not None and importlib.util.find_spec(need) is None:
+        return {"row": row, "label": label, "status": f"not run: {need} not installed"}
     with tempfile.TemporaryDirectory(prefix="trainstream-table-") as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, "-m", "trainstream_hf.bench.table", "--child", row, "--json", out,
