@@ -190,3 +190,17 @@ def test_quantize_frozen_base_accepts_a_base_packed_in_the_same_format():
         quantize_frozen_base(model, "int8")
     with pytest.raises(ValueError, match="already packed"):
         quantize_frozen_base(model, "nf4", outliers=0.01)
+
+
+def test_quantize_frozen_base_names_conv1d_projections_it_does_not_pack(tiny_gpt2):
+    """GPT-2's projections are Conv1D: a LoRA model over them has no frozen nn.Linear to pack (PEFT merges Conv1D
+    adapters transposed, fan_in_fan_out), and the refusal says so rather than that every linear layer trains."""
+    from trainstream_hf.quant.model import quantize_frozen_base
+
+    model = tiny_gpt2()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen projections are transformers' Conv1D \(GPT-2 style, e\.g\. "
+                                         r"transformer\.h\.0\.attn\.c_attn\), which it does not pack"):
+        quantize_frozen_base(model, "nf4")
+    assert not _names(model, QuantLinear)

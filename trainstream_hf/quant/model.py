@@ -147,6 +147,12 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
     if not frozen:
         if packed:
             return []
+        conv = [n for n, m in model.named_modules()
+                if type(m).__name__ == "Conv1D" and not any(p.requires_grad for p in m.parameters(recurse=False))]
+        if conv:
+            raise ValueError(f"quantize={quantize!r} packs frozen nn.Linear layers; this model's frozen projections "
+                             f"are transformers' Conv1D (GPT-2 style, e.g. {conv[0]}), which it does not pack: leave "
+                             "quantize unset")
         raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
                          "layer trains): add PEFT LoRA adapters, or leave quantize unset")
     quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",), replaced=replaced)
