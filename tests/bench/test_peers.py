@@ -345,6 +345,39 @@ def test_harness_records_the_gradient_norm_of_each_warmup_step_only():
     assert "warmup_grad_norms" not in row
 
 
+def test_the_gradient_norm_is_the_loops_optimizer_step_once_per_step():
+    """An optimizer stepping others inside its own step (the engine's offloaded AdamW: its device and host shares)
+    gives one norm per warm-up step, the loop's; an optimizer_in_backward row, whose gradients are consumed during
+    backward, runs and records none rather than failing on reading them."""
+    from tests.helpers import tiny_llama
+    import trainstream_hf as ts
+
+    def setup(**options):
+        model = tiny_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+        model, opt = ts.wrap(model, opt, device="cpu", vram_budget="8GiB", offload_optimizer=True,
+                             min_offload_numel=0, **options)
+        plain = []
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if not options:
+                plain.append(float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()))
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step, lambda: ts.unwrap(model), plain
+
+    step, close, plain = setup()
+    row = measure_training("full", lambda: (step, close), device=torch.device("cpu"), warmup=2, repeats=1)
+    assert row["warmup_grad_norms"] == pytest.approx(plain[:2], rel=1e-5)
+    step, close, _ = setup(optimizer_in_backward=True)
+    row = measure_training("inbwd", lambda: (step, close), device=torch.device("cpu"), warmup=2, repeats=1)
+    assert row["status"] == "ok" and len(row["losses"]) == 3 and "warmup_grad_norms" not in row
+
+
 def test_harness_keeps_no_losses_for_steps_that_return_none():
     row = measure_training("x", lambda: ((lambda: None), None), device=torch.device("cpu"), warmup=1, repeats=2)
     assert "losses" not in row

@@ -13,6 +13,7 @@ import gzip
 import os
 import re
 import shutil
+import threading
 import time
 from typing import Callable, Optional
 
@@ -220,8 +221,9 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
             raw_step, close = setup()
             out["setup_s"] = time.perf_counter() - t0
             step = _keeping_losses(raw_step, losses)
-            with _grad_norms_kept(grad_norms):
+            with _grad_norms_kept(grad_norms) as armed:
                 for _ in range(warmup):
+                    armed.set()
                     step()
             if cuda:
                 torch.cuda.synchronize()
@@ -261,24 +263,36 @@ def measure_training(name: str, setup: Callable[[], tuple[Step, Optional[Callabl
 
 @contextlib.contextmanager
 def _grad_norms_kept(into: list):
-    """While open, every optimizer step (any ``torch.optim.Optimizer``) first appends the squared norms of the
-    gradients it is about to apply, one tensor per device, not read yet (no synchronisation): a row whose
-    gradients differ in scale from the others' (a quantized backward, a missing loss scale) shows in
-    ``warmup_grad_norms`` even where Adam's normalisation hides it in the losses. Warm-up steps only: the timed
-    steps run without the hook."""
+    """While open, the first optimizer step (any ``torch.optim.Optimizer``) after each ``armed.set()`` (the
+    yielded event: the harness arms it before each warm-up step) first appends the squared norms of the gradients
+    it is about to apply, one tensor per device, not read yet (no synchronisation): a row whose gradients differ in
+    scale from the others' (a quantized backward, a missing loss scale) shows in ``warmup_grad_norms`` even where
+    Adam's normalisation hides it in the losses. The first step of a training step is the loop's own optimizer; the
+    ones it runs inside (an offloading optimizer's device and host shares) are not recorded. Gradients that cannot
+    be read there (consumed during backward by ``optimizer_in_backward``) are left out; with none readable the step
+    records nothing. Warm-up steps only: the timed steps run without the hook."""
+    armed = threading.Event()
+
     def hook(optimizer, args, kwargs):
+        if not armed.is_set():
+            return
+        armed.clear()
         by_device: dict = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    by_device.setdefault(p.grad.device, []).append(p.grad)
+                try:
+                    grad = p.grad
+                except RuntimeError:  # consumed by its update during backward
+                    continue
+                if grad is not None:
+                    by_device.setdefault(grad.device, []).append(grad)
         if by_device:
             into.append([torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
                          for grads in by_device.values()])
 
     handle = register_optimizer_step_pre_hook(hook)
     try:
-        yield
+        yield armed
     finally:
         handle.remove()
 
