@@ -166,6 +166,38 @@ def test_optimizer_of_another_model_is_refused():
     assert ts.engine_of(model) is None
 
 
+@pytest.mark.parametrize("flag", [dict(offload_optimizer=True), dict(optimizer_in_backward=True),
+                                  dict(optimizer_staleness=1)])
+def test_an_optimizer_the_engine_cannot_offload_is_refused_where_it_would_be_needed(flag):
+    """The engine's host-RAM optimizer is AdamW / Adam: asking it to offload another optimizer is one line naming the
+    option; with every option left at 'auto' the plan keeps that optimizer's state on the device and trains it as
+    given; a plan that pages its trainable weights (whose updates happen in host RAM) is refused."""
+    model = _llama()
+    with pytest.raises(ValueError, match=rf"{next(iter(flag))} runs the optimizer on the engine's AdamW, which takes "
+                                         r"torch\.optim\.AdamW or torch\.optim\.Adam; got torch\.optim\.sgd\.SGD"):
+        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", vram_budget="8GiB",
+                min_offload_numel=0, **flag)
+    assert ts.engine_of(model) is None
+    ref, model = _llama(), _llama()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt = ts.wrap(model, opt, device="cpu", vram_budget="8GiB", min_offload_numel=0, host_arena=None)
+    assert type(opt) is torch.optim.SGD and not ts.engine_of(model).plan.offload_optimizer
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for _ in range(2):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    ts.unwrap(model)
+    model = _llama()
+    with pytest.raises(ValueError, match=r"pages 27 trainable weights to host RAM.*\(got SGD\).*page_weights=False"):
+        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", vram_budget="8GiB",
+                page_weights=True, min_offload_numel=0, host_arena=None)
+    assert ts.engine_of(model) is None and all(p.numel() > 0 for p in model.parameters())
+
+
 def test_budget_below_minimum_is_a_clear_error():
     model = _llama()
     with pytest.raises(ts.BudgetError, match="below the minimum"):
@@ -207,8 +239,10 @@ def test_no_timeline_by_default():
 def test_failed_wrap_leaves_model_untouched():
     model = _llama()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(TypeError, match="AdamW or torch.optim.Adam"):
-        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), **FORCE)
+    # refused late: after the pager moved every block's weights to host RAM (the plan pages trainable weights, which
+    # only the engine's AdamW updates there)
+    with pytest.raises(ValueError, match="AdamW or torch.optim.Adam only"):
+        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**FORCE, "offload_optimizer": "auto"})
     assert ts.engine_of(model) is None
     for p, q in zip(before, model.parameters()):
         assert torch.equal(p, q)  # paged weights went back into the parameters

@@ -42,7 +42,7 @@ from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
 from trainstream_hf.engine.norms import FusedNorms
-from trainstream_hf.engine.optimizer import OffloadedAdamW
+from trainstream_hf.engine.optimizer import OFFLOADABLE, OffloadedAdamW
 from trainstream_hf.engine.peer import Peers
 from trainstream_hf.engine.streams import TransferStreams
 from trainstream_hf.engine.tiled import TiledMLP
@@ -410,6 +410,17 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
         if foreign:
             raise ValueError(f"wrap: the optimizer holds {foreign} tensor(s) that are not parameters of this model; "
                              "build it from this model's parameters (e.g. model.parameters())")
+        if type(optimizer) not in OFFLOADABLE:
+            kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+            for flag, on in (("offload_optimizer", config.offload_optimizer is True),
+                             ("optimizer_in_backward", config.optimizer_in_backward),
+                             ("optimizer_staleness", bool(config.optimizer_staleness))):
+                if on:
+                    raise ValueError(f"wrap: {flag} runs the optimizer on the engine's AdamW, which takes "
+                                     f"torch.optim.AdamW or torch.optim.Adam; got {kind}: use one of them, or leave "
+                                     f"{flag} off ({kind} then steps on the device as it is)")
+            # 'auto' cannot choose host RAM for another optimizer's state: the plan keeps it on the device
+            config = replace(config, offload_optimizer=False)
     # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
     dp_group = data_parallel.process_group(config.data_parallel, config.grads)
     if dp_group is not None and config.optimizer_in_backward:
@@ -743,6 +754,11 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
             peers.barrier()  # the leaders' writes into shared host memory are done before any process reads
     if optimizer is not None and offload:
         sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
+        if type(optimizer) not in OFFLOADABLE:
+            raise ValueError(f"wrap: the plan pages {len(sinks)} trainable weights to host RAM, where the engine's "
+                             f"AdamW updates them, and it takes torch.optim.AdamW or torch.optim.Adam only (got "
+                             f"{type(optimizer).__qualname__}): use one of them, set page_weights=False, or raise "
+                             "vram_budget")
         if sinks and config.grads == "device" and s.dp_group is None:
             raise ValueError(_STALE_PAGED if config.optimizer_staleness else _DEVICE_GRADS_PAGED)
         if sinks and config.offload_optimizer is False:

@@ -48,7 +48,7 @@ from trainstream_hf.engine.streams import Transfer, TransferStreams
 
 __all__ = ["OffloadedAdamW"]
 
-_SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+OFFLOADABLE = (torch.optim.AdamW, torch.optim.Adam)  # the optimizers OffloadedAdamW takes (exactly)
 _MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -197,7 +197,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  resident: Iterable[nn.Parameter] = (), streamed: Iterable[nn.Parameter] = (),
                  device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, moments: str = "float32", staleness: int = 0,
                  grads_fit_forward: bool = False):
-        if type(optimizer) not in _SUPPORTED:
+        if type(optimizer) not in OFFLOADABLE:
             raise TypeError(f"OffloadedAdamW wraps torch.optim.AdamW or torch.optim.Adam (exactly), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         if grads not in GRAD_MODES:
