@@ -200,7 +200,7 @@ def test_an_optimizer_the_engine_cannot_offload_is_refused_where_it_would_be_nee
 
 def test_budget_below_minimum_is_a_clear_error():
     model = _llama()
-    with pytest.raises(ts.BudgetError, match="below the minimum"):
+    with pytest.raises(ts.BudgetError, match=r"vram_budget 1\.00 MiB is below the minimum"):
         ts.wrap(model, torch.optim.AdamW(model.parameters()), vram_budget="1MiB", host_arena=None)
     assert ts.engine_of(model) is None
 

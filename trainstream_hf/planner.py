@@ -881,9 +881,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         _fit_host(pl, int(host_budget))
     if not pl.fits():
         raise BudgetError(
-            f"vram_budget {budget / GiB:.2f} GiB is below the minimum this model needs with every block's "
-            f"weights and activations in host RAM: {(pl.predicted_peak() + pl.margin) / GiB:.2f} GiB predicted "
-            f"(with a {pl.margin / GiB:.2f} GiB margin)\n{pl}")
+            f"vram_budget {format_bytes(budget)} is below the minimum this model needs with every block's "
+            f"weights and activations in host RAM: {format_bytes(pl.predicted_peak() + pl.margin)} predicted "
+            f"(with a {format_bytes(pl.margin)} margin)\n{pl}")
     if cpu_adam_pps:
         pl.cpu_adam_pps = float(cpu_adam_pps)
     if pl.offload_optimizer and optimizer_moments == "float32":
