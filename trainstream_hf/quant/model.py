@@ -148,7 +148,7 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
         if packed:
             return []
         conv = [n for n, m in model.named_modules()
-                if type(m).__name__ == "Conv1D" and not any(p.requires_grad for p in m.parameters(recurse=False))]
+                if _is_conv1d(m) and not any(p.requires_grad for p in m.parameters(recurse=False))]
         if conv:
             raise ValueError(f"quantize={quantize!r} packs frozen nn.Linear layers; this model's frozen projections "
                              f"are transformers' Conv1D (GPT-2 style, e.g. {conv[0]}), which it does not pack: leave "
