@@ -170,6 +170,14 @@ class TrainStreamConfig:
                 "backward, so its intermediate activations never exist for the whole sequence (18 GiB of bf16 for "
                 "Llama-3-8B at 160k tokens). 'auto': when one call's intermediate would take at least 1 GiB; True: "
                 "always; False: never. The same maths, not the same bits (trainstream_hf/engine/tiled.py)."})
+    host_embedding: bool | str = field(default="auto", metadata={
+        "help": "Keep a frozen input embedding's table (an nn.Embedding not tied to the output head) in pinned host "
+                "RAM and gather each batch's rows from it on the GPU (a kernel reading host memory: no device copy "
+                "of the table, no host synchronisation; 1 GiB of device memory for Llama-3's 128k x 4096 bf16 "
+                "table, at ~16 MiB of PCIe reads per 2048 tokens). 'auto': on CUDA in one process, when the plan "
+                "otherwise moves anything off the device (memory is short); True: always (the CPU device too); "
+                "False: never. The "
+                "same values as the device table (trainstream_hf/engine/embedding.py)."})
     fused_norms: bool = field(default=False, metadata={
         "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "
                 "way instead of eight ops: the same maths, not the same bits (the row sum is reduced in another "
@@ -217,7 +225,8 @@ class TrainStreamConfig:
                              f"cannot accumulate {self.gradient_accumulation_steps} micro-batches: set "
                              "gradient_accumulation_steps=1 or turn optimizer_in_backward off")
         for name in ("offload_optimizer", "offload_activations", "page_weights", "overlap_step", "recompute",
-                     "data_parallel", "expandable_segments", "elide_casts", "fused_loss", "tiled_mlp"):
+                     "data_parallel", "expandable_segments", "elide_casts", "fused_loss", "tiled_mlp",
+                     "host_embedding"):
             if getattr(self, name) not in ("auto", True, False):
                 raise ValueError(f"{name}: 'auto', True or False, got {getattr(self, name)!r}")
         if not isinstance(self.fused_norms, bool):

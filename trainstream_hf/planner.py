@@ -148,6 +148,9 @@ class Plan:
     # the optimizer steps each parameter as its gradient lands (optimizer_in_backward): the CPU share runs beside the
     # rest of the backward, recomputed forwards included
     in_backward: bool = False
+    # the frozen input embedding's table kept in pinned host RAM, its rows gathered per batch (host_embedding):
+    # off the device, on the host
+    host_embedding_bytes: int = 0
 
     # -- predictions ----------------------------------------------------------------------------
     @property
@@ -258,7 +261,8 @@ class Plan:
             cpu = self.offload_numel - self.resident_numel - self.streamed_numel  # streamed: state only, 12 bytes
             per_cpu = 4 + 2 * self.moment_bytes + 4 + 2  # master, moments, the gradient buffer and the weight copy
             optimizer = per_cpu * cpu + 12 * self.streamed_numel + (2 * cpu if self.grads == "host" else 0)
-        return self.paged_bytes() + sum(b.host_activation_bytes() for b in self.blocks) + optimizer
+        return (self.paged_bytes() + sum(b.host_activation_bytes() for b in self.blocks) + optimizer
+                + self.host_embedding_bytes)
 
     @property
     def recomputed_blocks(self) -> list[int]:
@@ -289,7 +293,9 @@ class Plan:
                  + (f" (stepped on the device: {self.resident_numel / 1e6:.1f} M resident, "
                     f"{self.streamed_numel / 1e6:.1f} M streamed)" if self.resident_numel or self.streamed_numel
                     else "")
-                 + (f", {self.accumulation} micro-batches per step" if self.accumulation > 1 else ""),
+                 + (f", {self.accumulation} micro-batches per step" if self.accumulation > 1 else "")
+                 + (f", input embedding in host RAM ({format_bytes(self.host_embedding_bytes)})"
+                    if self.host_embedding_bytes else ""),
                  "| block | weights | MiB | activations | MiB | PCIe MiB/step | est. ms |",
                  "|---|---|---|---|---|---|---|"]
         for b in self.blocks:
@@ -660,7 +666,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          activation_sizes: Sequence[int] | None = None, min_activation_bytes: int = 0,
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
          device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None,
-         optimizer_moments: str = "float32", accumulation: int = 1, optimizer_in_backward: bool = False) -> Plan:
+         optimizer_moments: str = "float32", accumulation: int = 1, optimizer_in_backward: bool = False,
+         host_embedding: nn.Module | None = None) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -709,6 +716,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         host_budget: host RAM the plan may fill (None: unlimited). When offloaded activations would pass it (long
             sequences), blocks that can be recomputed keep only their input in host RAM (``recompute_host``), first
             block first, as long as the device still fits.
+        host_embedding: the input embedding module whose table ``wrap`` keeps in pinned host RAM
+            (``host_embedding``; its rows gathered per batch): its bytes leave the device's fixed bytes and count
+            in the host's.
 
     Warns:
         RuntimeWarning: a forced ``page_weights=True`` or ``offload_activations=True`` that cannot move anything
@@ -758,7 +768,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                                      unpaged_bytes=_numel_bytes(p for p in params if id(p) not in paged_ids)))
     # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
     logits = tokens * vocab * (act_dtype_bytes + 4 + 4) if head_bytes is None else int(head_bytes)
-    nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids)
+    hosted = {id(p) for p in host_embedding.parameters()} if host_embedding is not None else set()
+    nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids and id(p) not in hosted)
 
     def nbytes(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
@@ -769,7 +780,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel, forward_seconds=forward_seconds,
               moment_bytes=2 if optimizer_moments == "bfloat16" else 4, accumulation=int(accumulation),
-              in_backward=bool(optimizer_in_backward))
+              in_backward=bool(optimizer_in_backward),
+              host_embedding_bytes=_numel_bytes(host_embedding.parameters()) if host_embedding is not None else 0)
 
     def settle(offload_opt: bool, grads_host: bool, only: list[tuple[str, nn.Parameter]] | None = None) -> None:
         """Optimizer state of every big trainable parameter (``only``: of these) on the host, or of none."""

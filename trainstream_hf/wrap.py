@@ -38,6 +38,7 @@ from trainstream_hf.engine.arena import HostArena, host_memory_available
 from trainstream_hf.engine.blocks import check_wrappable, find_blocks
 from trainstream_hf.engine.casts import CastSources
 from trainstream_hf.engine.compiled import CompiledBlocks, drop_cache, inductor_usable
+from trainstream_hf.engine.embedding import HostEmbedding, hostable
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener
@@ -101,7 +102,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: TrainStreamConfig, user_optimizer):
         self.model, self.config, self.user_optimizer = model, config, user_optimizer
         self.plan: planner.Plan | None = None
-        self.streams = self.arena = self.hooks = self.pager = self.offloader = None
+        self.streams = self.arena = self.hooks = self.pager = self.offloader = self.host_embedding = None
         self.casts = self.norms = self.loss_owner = self.fused_head = self.tiled = self.compiled = None
         self.optimizer = user_optimizer
         self.steps = 0
@@ -384,6 +385,7 @@ class _Setup:
     tiled: TiledMLP | None = None
     compiled: CompiledBlocks | None = None
     keep: list = None  # _OnFailure undos to commit when wrap succeeds
+    host_embedding: nn.Embedding | None = None  # the input embedding the plan keeps in host RAM
 
     def drop_casts(self) -> None:
         if self.casts is not None:
@@ -605,7 +607,7 @@ def _make_plan(s: _Setup) -> planner.Plan:
             host_budget = available - max(4 * 2**30, available // 10) + sum(
                 p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
 
-    def make_plan(activation_bytes):
+    def make_plan(activation_bytes, host_embedding=None):
         return planner.plan(
             model, list(blocks), batch_shape=s.batch_shape, vram_budget=config.vram_budget, device=device,
             offload_optimizer=config.offload_optimizer if s.has_optimizer else False,
@@ -618,9 +620,11 @@ def _make_plan(s: _Setup) -> planner.Plan:
             forward_seconds=None if m is None else m.forward_seconds, head_bytes=head,
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
             cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments,
-            accumulation=config.gradient_accumulation_steps, optimizer_in_backward=config.optimizer_in_backward)
+            accumulation=config.gradient_accumulation_steps, optimizer_in_backward=config.optimizer_in_backward,
+            host_embedding=host_embedding)
 
-    pl = make_plan(None if m is None else m.activation_bytes)
+    used = None if m is None else m.activation_bytes
+    pl = make_plan(used)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \
             m.raw_activation_bytes <= m.activation_bytes:
         # Nothing to elide (no widening cast saved: bf16 autocast, or LoRA's native path, which saves the
@@ -635,7 +639,20 @@ def _make_plan(s: _Setup) -> planner.Plan:
                                       or plain.recomputed_blocks) and \
                 (plain.offload_optimizer, plain.grads) == (pl.offload_optimizer, pl.grads):
             s.drop_casts()
-            pl = plain
+            pl, used = plain, m.raw_activation_bytes
+    emb = hostable(model) if config.host_embedding is not False else None
+    if emb is not None and (config.host_embedding is True or device.type == "cuda" and s.dp_group is None and (
+            pl.paged_blocks or pl.offloaded_activation_blocks or pl.recomputed_blocks or pl.offload_optimizer)):
+        # memory is short (or asked): the frozen input embedding's table goes to pinned host RAM, its rows gathered
+        # per batch (engine/embedding.py), and the plan is made again with its bytes off the device
+        hosted = make_plan(used, emb) if config.host_embedding is True else _plan_or_none(
+            lambda a: make_plan(a, emb), used)
+        if hosted is not None:
+            pl, s.host_embedding = hosted, emb
+    elif config.host_embedding is True:
+        warnings.warn("host_embedding=True: the input embedding stays on the device: only a frozen nn.Embedding "
+                      "that no other module shares (not tied to the output head), without max_norm, can be kept in "
+                      "host RAM", RuntimeWarning, stacklevel=3)
     if config.grads == "device" and pl.grads == "host" and s.dp_group is None:  # (DDP: its own refusal, later)
         raise ValueError(_STALE_PAGED if config.optimizer_staleness else _DEVICE_GRADS_PAGED)
     return pl
@@ -722,6 +739,9 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     # compute device; paged parameters are device placeholders already, so .to() leaves them alone.
     for b in blocks:
         b.to(device)
+    if s.host_embedding is not None:
+        engine.host_embedding = HostEmbedding(s.host_embedding, device)
+        undo.callback(engine.host_embedding.close)
     if pl.offloaded_activation_blocks or s.casts is not None:
         engine.offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,
                                                min_bytes=parse_bytes(config.min_activation_bytes), casts=s.casts,
