@@ -9,6 +9,7 @@
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
 #                                                                   recipe_8b_full engine_full_8b micro align_8b_compiled gen_tests
 #                                                                   wrap_tests compile_tests fp8_grad_diag fp8_curve_diag
+#                                                                   host_embedding
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -55,6 +56,8 @@ for s in "$@"; do case $s in
   recipe_70b) run 200 recipe_70b accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/sft.py \
       --config configs/llama3-70b-lora-nf4-24gib.yaml --train.steps 6 --output_dir /tmp/sft70b
       cp /tmp/sft70b/summary.json "$OUT/sft-llama3-70b-nf4-$GPU-$SHA.json" ;;
+  host_embedding) run 200 host_embedding python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_embedding_cuda.py \
+      tests/gpu/test_wrap_cuda.py ;;  # the pinned-table gather kernel, and wrap on CUDA with it in the plans
   gen_tests) run 300 gen_tests python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_compiled_generation_cuda.py \
       tests/gpu/test_cache_cuda.py tests/gpu/test_trl_online_dpo_cuda.py ;;
   compile_tests) TS_TEST_COMPILE_BLOCKS=auto CUBLAS_WORKSPACE_CONFIG=:4096:8 run 580 compile_tests python3 -m pytest -q \
