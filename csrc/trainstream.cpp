@@ -84,9 +84,6 @@ TORCH_LIBRARY(trainstream, m) {
   // A float32 matrix as bfloat16 parts (t = p0 + p1 + p2), the parts named by pattern laid side by side as row (dim 0)
   // or column (dim 1) blocks: float32 products as one bf16 GEMM (csrc/cpu/split.cpp, csrc/cuda/split.cu).
   m.def("split_bf16(Tensor t, int[] pattern, int dim) -> Tensor");
-  // Rows of a frozen embedding table (vocab, dim) kept in host memory, gathered by ids into a tensor on ids' device:
-  // on the GPU the kernel reads the pinned table directly (csrc/cuda/embedding.cu), on the CPU index_select.
-  m.def("embedding_from_host(Tensor ids, Tensor weight) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -172,12 +172,11 @@ class TrainStreamConfig:
                 "always; False: never. The same maths, not the same bits (trainstream_hf/engine/tiled.py)."})
     host_embedding: bool | str = field(default="auto", metadata={
         "help": "Keep a frozen input embedding's table (an nn.Embedding not tied to the output head) in pinned host "
-                "RAM and gather each batch's rows from it on the GPU (a kernel reading host memory: no device copy "
-                "of the table, no host synchronisation; 1 GiB of device memory for Llama-3's 128k x 4096 bf16 "
-                "table, at ~16 MiB of PCIe reads per 2048 tokens). 'auto': on CUDA in one process, when the plan "
-                "otherwise moves anything off the device (memory is short); True: always (the CPU device too); "
-                "False: never. The "
-                "same values as the device table (trainstream_hf/engine/embedding.py)."})
+                "RAM, the parameter a CUDA tensor over that memory: the embedding's kernel reads each batch's rows "
+                "over PCIe (no device copy of the table: 1 GiB for Llama-3's 128k x 4096 bf16 table; ~16 MiB read "
+                "per 2048 tokens; the device table's values). 'auto': on CUDA in one process, when the plan "
+                "otherwise moves anything off the device (memory is short); True: on CUDA always; False: never "
+                "(trainstream_hf/engine/embedding.py)."})
     fused_norms: bool = field(default=False, metadata={
         "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "
                 "way instead of eight ops: the same maths, not the same bits (the row sum is reduced in another "

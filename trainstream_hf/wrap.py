@@ -343,6 +343,11 @@ def _default_batch_shape(model: nn.Module) -> tuple[int, int]:
     return (1, min(2048, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)))
 
 
+def _maps_host_memory(device: torch.device) -> bool:
+    """Whether ``device`` can read pinned host memory in place (a CUDA device: host_embedding)."""
+    return device.type == "cuda"
+
+
 def _plan_or_none(make_plan, activation_bytes):
     try:
         return make_plan(activation_bytes)
@@ -640,19 +645,21 @@ def _make_plan(s: _Setup) -> planner.Plan:
                 (plain.offload_optimizer, plain.grads) == (pl.offload_optimizer, pl.grads):
             s.drop_casts()
             pl, used = plain, m.raw_activation_bytes
-    emb = hostable(model) if config.host_embedding is not False else None
-    if emb is not None and (config.host_embedding is True or device.type == "cuda" and s.dp_group is None and (
+    emb = hostable(model) if config.host_embedding is not False and _maps_host_memory(device) else None
+    if emb is not None and (config.host_embedding is True or s.dp_group is None and (
             pl.paged_blocks or pl.offloaded_activation_blocks or pl.recomputed_blocks or pl.offload_optimizer)):
-        # memory is short (or asked): the frozen input embedding's table goes to pinned host RAM, its rows gathered
-        # per batch (engine/embedding.py), and the plan is made again with its bytes off the device
+        # memory is short (or asked): the frozen input embedding's table goes to pinned host RAM, the device reading
+        # its rows from there (engine/embedding.py), and the plan is made again with its bytes off the device
         hosted = make_plan(used, emb) if config.host_embedding is True else _plan_or_none(
             lambda a: make_plan(a, emb), used)
         if hosted is not None:
             pl, s.host_embedding = hosted, emb
     elif config.host_embedding is True:
-        warnings.warn("host_embedding=True: the input embedding stays on the device: only a frozen nn.Embedding "
-                      "that no other module shares (not tied to the output head), without max_norm, can be kept in "
-                      "host RAM", RuntimeWarning, stacklevel=3)
+        why = ("the compute device is the CPU: the table is in host RAM already" if not _maps_host_memory(device)
+               else "only a frozen nn.Embedding that no other module shares (not tied to the output head), without "
+                    "max_norm, can be kept in host RAM")
+        warnings.warn(f"host_embedding=True: the input embedding stays where it is: {why}", RuntimeWarning,
+                      stacklevel=3)
     if config.grads == "device" and pl.grads == "host" and s.dp_group is None:  # (DDP: its own refusal, later)
         raise ValueError(_STALE_PAGED if config.optimizer_staleness else _DEVICE_GRADS_PAGED)
     return pl

@@ -249,6 +249,32 @@ class HostArena {
 
 }  // namespace
 
+// A CUDA tensor over pinned host memory (see init_arena's docstring). The device pointer comes from
+// cudaHostGetDevicePointer (the identity on 64-bit UVA systems); the view's deleter holds the host tensor.
+at::Tensor mapped_device_view(const at::Tensor& host, int64_t device_index) {
+#ifdef TRAINSTREAM_WITH_CUDA
+  TORCH_CHECK_VALUE(host.device().is_cpu() && host.is_pinned(), "mapped_device_view: host must be a pinned CPU tensor");
+  TORCH_CHECK_VALUE(host.is_contiguous(), "mapped_device_view: host must be contiguous");
+  void* device_ptr = nullptr;
+  if (host.numel() > 0) {
+    const cudaError_t err = cudaHostGetDevicePointer(&device_ptr, host.data_ptr(), 0);
+    TORCH_CHECK(err == cudaSuccess, "mapped_device_view: cudaHostGetDevicePointer failed: ", cudaGetErrorString(err));
+  }
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+  at::Tensor keep = host;
+  return at::for_blob(device_ptr, host.sizes())
+      .strides(host.strides())
+      .deleter([keep](void*) mutable { keep.reset(); })
+      .options(host.options().device(device).pinned_memory(false))
+      .target_device(device)
+      .make_tensor();
+#else
+  (void)host;
+  (void)device_index;
+  TORCH_CHECK(false, "mapped_device_view needs a CUDA build (TRAINSTREAM_CUDA=1)");
+#endif
+}
+
 void init_arena(py::module_& m) {
   py::class_<HostArena>(m, "HostArena", "Slabs of (pinned) host memory sub-allocated as CPU tensors.")
       .def(py::init<int64_t, bool, int64_t>(), py::arg("slab_bytes"), py::arg("pinned"),
@@ -264,6 +290,9 @@ void init_arena(py::module_& m) {
         "Bytes currently held in slabs by all host arenas of this process.");
   m.def("pinned_bytes", [] { return g_pinned.load(); },
         "Page-locked bytes currently held by all host arenas of this process.");
+  m.def("mapped_device_view", &mapped_device_view, py::arg("host"), py::arg("device_index"),
+        "A CUDA tensor on device_index aliasing the pinned host tensor `host` through its device mapping: kernels "
+        "read and write host memory over PCIe, nothing is allocated on the device; the view keeps `host` alive.");
 }
 
 }  // namespace trainstream

@@ -38,9 +38,7 @@ from trainstream_hf.ops.fp8 import (
     FP8_GEMMS, fp8_activation_cache, fp8_forget_activation, fp8_gemm, fp8_gemm_plans, fp8_gemm_rowwise, fp8_linear,
     fp8_linear_dgrad, quantize_rows_e4m3, set_fp8_gemm, transpose_bytes,
 )
-from trainstream_hf.ops.layers import (
-    dequant_linear, embedding_from_host, lora_add, lora_dequant_linear, rms_norm, split_bf16,
-)
+from trainstream_hf.ops.layers import dequant_linear, lora_add, lora_dequant_linear, rms_norm, split_bf16
 from trainstream_hf.ops import reference as _references
 from trainstream_hf.ops.reference import (
     adamw_step_reference, adamw_step_sr_reference, dequant_linear_reference, dequantize_fp8_reference,
@@ -61,7 +59,7 @@ __all__ = [
     "quantize_nf4", "dequantize_nf4", "quantize_nvfp4", "dequantize_nvfp4", "dequantize_int8", "dequantize_fp8",
     "quantize_rows_e4m3", "transpose_bytes", "fp8_linear", "fp8_linear_dgrad", "fp8_gemm_rowwise",
     "fp8_activation_cache", "fp8_forget_activation", "FP8_GEMMS", "fp8_gemm", "fp8_gemm_plans", "set_fp8_gemm",
-    "lora_add", "dequant_linear", "lora_dequant_linear", "split_bf16", "rms_norm", "embedding_from_host",
+    "lora_add", "dequant_linear", "lora_dequant_linear", "split_bf16", "rms_norm",
     # references
     *_references.__all__,
 ]

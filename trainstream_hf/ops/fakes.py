@@ -194,11 +194,6 @@ def _split_bf16_fake(t, pattern, dim):
     return t.new_empty(shape, dtype=torch.bfloat16)
 
 
-@torch.library.register_fake("trainstream::embedding_from_host")
-def _embedding_from_host_fake(ids, weight):
-    return torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype, device=ids.device)
-
-
 @torch.library.register_fake("trainstream::rms_norm")
 def _rms_norm_fake(x, weight, eps):
     torch._check(x.shape[-1] == weight.shape[0], lambda: "rms_norm: x must be (..., K)")

@@ -91,20 +91,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     return torch.ops.trainstream.rms_norm.default(x, weight, eps)
 
-
-# --------------------------------------------------------------------------------------------
-# embedding_from_host (a frozen input embedding kept in pinned host memory)
-# --------------------------------------------------------------------------------------------
-
-def embedding_from_host(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``weight[ids]`` on ``ids``' device, ``weight`` (vocab, dim) a contiguous table in host memory (pinned, for a
-    GPU): on CUDA one kernel reads the rows straight from the pinned table (mapped into the device's address space),
-    with no copy of the table on the device and no host synchronisation; on the CPU ``index_select``. The values of
-    ``nn.Embedding``'s forward; not differentiable (the table is frozen). An id outside ``[0, vocab)`` fails a
-    device assertion on CUDA, an index error on the CPU.
-
-    Args:
-        ids: integer (int64 / int32) token ids of any shape; the result is ``(*ids.shape, dim)``.
-        weight: the table, in host memory.
-    """
-    return torch.ops.trainstream.embedding_from_host.default(ids, weight)
