@@ -90,4 +90,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x: (..., K) float32 / bfloat16 / float16; weight: (K,) of x's dtype; eps: the module's ``variance_epsilon``.
     """
     return torch.ops.trainstream.rms_norm.default(x, weight, eps)
-
