@@ -174,8 +174,9 @@ class TrainStreamConfig:
         "help": "Keep a frozen input embedding's table (an nn.Embedding not tied to the output head) in pinned host "
                 "RAM, the parameter a CUDA tensor over that memory: the embedding's kernel reads each batch's rows "
                 "over PCIe (no device copy of the table: 1 GiB for Llama-3's 128k x 4096 bf16 table; ~16 MiB read "
-                "per 2048 tokens; the device table's values). 'auto': on CUDA in one process, when the plan "
-                "otherwise moves anything off the device (memory is short); True: on CUDA always; False: never "
+                "per 2048 tokens; the device table's values). 'auto': on CUDA in one process, when the plan would "
+                "otherwise move anything off the device or not fit (memory is short); True: on CUDA always; False: "
+                "never "
                 "(trainstream_hf/engine/embedding.py)."})
     fused_norms: bool = field(default=False, metadata={
         "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "

@@ -626,10 +626,20 @@ def _make_plan(s: _Setup) -> planner.Plan:
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
             cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments,
             accumulation=config.gradient_accumulation_steps, optimizer_in_backward=config.optimizer_in_backward,
-            host_embedding=host_embedding)
+            host_embedding=host_embedding or s.host_embedding)
 
+    # The input embedding that may go to pinned host RAM (host_embedding; engine/embedding.py), where 'auto' takes it
+    # when memory is short: the plan does not fit, or moves anything else off the device.
+    emb = hostable(model) if config.host_embedding is not False and _maps_host_memory(device) else None
+    auto_emb = emb is not None and config.host_embedding == "auto" and s.dp_group is None
     used = None if m is None else m.activation_bytes
-    pl = make_plan(used)
+    try:
+        pl = make_plan(used)
+    except planner.BudgetError:
+        if not auto_emb:
+            raise
+        s.host_embedding = emb
+        pl = make_plan(used)  # with the table off the device (a BudgetError again: it does not fit either way)
     if config.elide_casts == "auto" and s.casts is not None and m is not None and \
             m.raw_activation_bytes <= m.activation_bytes:
         # Nothing to elide (no widening cast saved: bf16 autocast, or LoRA's native path, which saves the
@@ -645,16 +655,14 @@ def _make_plan(s: _Setup) -> planner.Plan:
                 (plain.offload_optimizer, plain.grads) == (pl.offload_optimizer, pl.grads):
             s.drop_casts()
             pl, used = plain, m.raw_activation_bytes
-    emb = hostable(model) if config.host_embedding is not False and _maps_host_memory(device) else None
-    if emb is not None and (config.host_embedding is True or s.dp_group is None and (
+    if s.host_embedding is None and emb is not None and (config.host_embedding is True or auto_emb and (
             pl.paged_blocks or pl.offloaded_activation_blocks or pl.recomputed_blocks or pl.offload_optimizer)):
-        # memory is short (or asked): the frozen input embedding's table goes to pinned host RAM, the device reading
-        # its rows from there (engine/embedding.py), and the plan is made again with its bytes off the device
+        # memory is short (or asked): the plan is made again with the table's bytes off the device
         hosted = make_plan(used, emb) if config.host_embedding is True else _plan_or_none(
             lambda a: make_plan(a, emb), used)
         if hosted is not None:
             pl, s.host_embedding = hosted, emb
-    elif config.host_embedding is True:
+    elif emb is None and config.host_embedding is True:
         why = ("the compute device is the CPU: the table is in host RAM already" if not _maps_host_memory(device)
                else "only a frozen nn.Embedding that no other module shares (not tied to the output head), without "
                     "max_norm, can be kept in host RAM")

@@ -126,3 +126,23 @@ def test_the_plan_counts_the_table_on_the_host_not_the_device():
     nbytes = emb.weight.numel() * emb.weight.element_size()
     assert on_device.fixed_bytes - hosted.fixed_bytes == nbytes
     assert hosted.host_bytes() - on_device.host_bytes() == nbytes
+
+
+def test_auto_maps_it_when_only_that_makes_the_plan_fit(mapped, monkeypatch):
+    """A budget the plan cannot meet with the table on the device, but can without it: 'auto' maps the table rather
+    than refuse; a budget it cannot meet either way is still refused."""
+    real = planner.plan
+
+    def tight(*args, host_embedding=None, **kwargs):
+        if host_embedding is None:
+            raise planner.BudgetError("does not fit with the table on the device")
+        return real(*args, host_embedding=host_embedding, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", tight)
+    model, _ = ts.wrap(_lora(), None, **OPTS)
+    assert ts.engine_of(model).host_embedding is not None and ts.engine_of(model).plan.host_embedding_bytes > 0
+    ts.unwrap(model)
+    model = _lora()
+    with pytest.raises(planner.BudgetError, match="with the table on the device"):
+        ts.wrap(model, None, host_embedding=False, **OPTS)
+    assert ts.engine_of(model) is None and not mapped[1:]
