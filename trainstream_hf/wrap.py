@@ -755,7 +755,7 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     for b in blocks:
         b.to(device)
     if s.host_embedding is not None:
-        engine.host_embedding = HostEmbedding(s.host_embedding, device)
+        engine.host_embedding = HostEmbedding(s.host_embedding, device, arena)
         undo.callback(engine.host_embedding.close)
     if pl.offloaded_activation_blocks or s.casts is not None:
         engine.offloader = ActivationOffloader(hooks, streams, arena, blocks=pl.offloaded_activation_blocks,

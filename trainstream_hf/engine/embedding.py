@@ -42,11 +42,16 @@ class HostEmbedding:
     """Keeps ``module``'s table in pinned host memory, the parameter's data a ``device`` tensor over it. See the
     module docstring."""
 
-    def __init__(self, module: nn.Embedding, device: torch.device):
+    def __init__(self, module: nn.Embedding, device: torch.device, arena=None):
         weight = module.weight
         self.module, self.weight, self.device = module, weight, torch.device(device)
-        host = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=self.device.type == "cuda")
-        host.copy_(weight.detach())
+        cuda = self.device.type == "cuda"
+        # In the engine's pinned arena, which the plan's host bytes reserved for it (exactly; torch's pinned
+        # allocator rounds up to a power of two: 2 GiB for Llama-3's 1 GiB table); else a pinned tensor of its own.
+        host = arena.copy_of(weight.detach()) if arena is not None and arena.pinned else None
+        if host is None or (cuda and not host.is_pinned()):  # (an exhausted arena's pageable fallback)
+            host = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=cuda)
+            host.copy_(weight.detach())
         self.host = host
         weight.data = map_to_device(host, self.device)  # the device table is freed here
         setattr(weight, HOSTED_ATTR, True)
