@@ -176,8 +176,7 @@ class TrainStreamConfig:
                 "over PCIe (no device copy of the table: 1 GiB for Llama-3's 128k x 4096 bf16 table; ~16 MiB read "
                 "per 2048 tokens; the device table's values). 'auto': on CUDA in one process, when the plan would "
                 "otherwise move anything off the device or not fit (memory is short); True: on CUDA always; False: "
-                "never "
-                "(trainstream_hf/engine/embedding.py)."})
+                "never (trainstream_hf/engine/embedding.py)."})
     fused_norms: bool = field(default=False, metadata={
         "help": "Run the Llama family's RMSNorm modules (LlamaRMSNorm and its copies) through one fused kernel each "
                 "way instead of eight ops: the same maths, not the same bits (the row sum is reduced in another "

@@ -148,7 +148,7 @@ class Plan:
     # the optimizer steps each parameter as its gradient lands (optimizer_in_backward): the CPU share runs beside the
     # rest of the backward, recomputed forwards included
     in_backward: bool = False
-    # the frozen input embedding's table kept in pinned host RAM, its rows gathered per batch (host_embedding):
+    # the frozen input embedding's table kept in pinned host RAM, its rows read there by the device (host_embedding):
     # off the device, on the host
     host_embedding_bytes: int = 0
 
@@ -717,8 +717,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             sequences), blocks that can be recomputed keep only their input in host RAM (``recompute_host``), first
             block first, as long as the device still fits.
         host_embedding: the input embedding module whose table ``wrap`` keeps in pinned host RAM
-            (``host_embedding``; its rows gathered per batch): its bytes leave the device's fixed bytes and count
-            in the host's.
+            (``host_embedding``; the device reads its rows there): its bytes leave the device's fixed bytes and
+            count in the host's.
 
     Warns:
         RuntimeWarning: a forced ``page_weights=True`` or ``offload_activations=True`` that cannot move anything
