@@ -232,17 +232,18 @@ class WarmProcess:
     stderr in ``log``. The part of ``subprocess.Popen`` the tests use: ``pid``, ``poll()``, ``wait(timeout)``,
     ``send_signal()`` and ``returncode`` (``-signal`` when a signal ended it, 1 on an exception).
 
-    Unlike a fresh interpreter, the child's modules were imported with the environment the server started with:
-    only variables read after import (``env``) reach it. ``fn`` must be importable by its module's name."""
+    Unlike a fresh interpreter, the child's modules were imported with the environment the server started with;
+    ``drop_env_prefix`` removes variables from the child's environment for what reads it after import. ``fn`` must be
+    importable by its module's name."""
 
-    def __init__(self, fn, *args, log, env: dict | None = None, drop_env_prefix: str | None = None):
+    def __init__(self, fn, *args, log, drop_env_prefix: str | None = None):
         global _warm_context
         import multiprocessing
 
         if _warm_context is None:
             _warm_context = multiprocessing.get_context("forkserver")
             _warm_context.set_forkserver_preload(WARM_MODULES)
-        self._proc = _warm_context.Process(target=_run_logged, args=(str(log), env or {}, drop_env_prefix, fn, args))
+        self._proc = _warm_context.Process(target=_run_logged, args=(str(log), drop_env_prefix, fn, args))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -268,7 +269,7 @@ class WarmProcess:
             os.kill(self.pid, sig)
 
 
-def _run_logged(log: str, env: dict, drop_env_prefix: str | None, fn, args) -> None:
+def _run_logged(log: str, drop_env_prefix: str | None, fn, args) -> None:
     import os
     import sys
 
@@ -281,7 +282,6 @@ def _run_logged(log: str, env: dict, drop_env_prefix: str | None, fn, args) -> N
     if drop_env_prefix:
         for k in [k for k in os.environ if k.startswith(drop_env_prefix)]:
             del os.environ[k]
-    os.environ.update(env)
     torch.set_num_threads(1)  # as the tests run (tests/conftest.py)
     fn(*args)
     sys.stdout.flush()

@@ -268,6 +268,11 @@ class Plan:
     def recomputed_blocks(self) -> list[int]:
         return [b.index for b in self.blocks if b.activations in ("recompute", "recompute_host")]
 
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether any block's weights or activations leave the device (paged, offloaded or recomputed)."""
+        return any(b.weights != "device" or b.activations != "device" for b in self.blocks)
+
     def predicted_step_floor(self) -> float:
         """Lower bound on the step time from PCIe traffic and the CPU optimizer (seconds); a streamed parameter
         moves 12 bytes each way."""

@@ -650,13 +650,12 @@ def _make_plan(s: _Setup) -> planner.Plan:
         # backward (8B nf4 LoRA on the H200: 256 casts and ~1500 hooked tensors per step, with 5.7 GiB of the
         # budget unused). Without it, if every block still keeps its activations and weights on the device.
         plain = _plan_or_none(make_plan, m.raw_activation_bytes)
-        if plain is not None and not (plain.paged_blocks or plain.offloaded_activation_blocks
-                                      or plain.recomputed_blocks) and \
+        if plain is not None and not plain.moves_blocks and \
                 (plain.offload_optimizer, plain.grads) == (pl.offload_optimizer, pl.grads):
             s.drop_casts()
             pl, used = plain, m.raw_activation_bytes
-    if s.host_embedding is None and emb is not None and (config.host_embedding is True or auto_emb and (
-            pl.paged_blocks or pl.offloaded_activation_blocks or pl.recomputed_blocks or pl.offload_optimizer)):
+    if s.host_embedding is None and emb is not None and (
+            config.host_embedding is True or auto_emb and (pl.moves_blocks or pl.offload_optimizer)):
         # memory is short (or asked): the plan is made again with the table's bytes off the device
         hosted = make_plan(used, emb) if config.host_embedding is True else _plan_or_none(
             lambda a: make_plan(a, emb), used)

@@ -44,7 +44,7 @@ class HostEmbedding:
 
     def __init__(self, module: nn.Embedding, device: torch.device, arena=None):
         weight = module.weight
-        self.module, self.weight, self.device = module, weight, torch.device(device)
+        self.weight, self.device = weight, torch.device(device)
         cuda = self.device.type == "cuda"
         # In the engine's pinned arena, which the plan's host bytes reserved for it (exactly; torch's pinned
         # allocator rounds up to a power of two: 2 GiB for Llama-3's 1 GiB table); else a pinned tensor of its own.
@@ -56,10 +56,6 @@ class HostEmbedding:
         weight.data = map_to_device(host, self.device)  # the device table is freed here
         setattr(weight, HOSTED_ATTR, True)
         self.closed = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
 
     def close(self) -> None:
         """Gives the parameter a copy of the table on the compute device (where wrap placed every other non-block
