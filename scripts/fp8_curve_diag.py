@@ -6,8 +6,9 @@ shape, the same batch every step: 9.2 against 8.45 after 13 steps), while the wa
 maths (benchmarks/NOTES.md, 2026-12-07). The same rows on the CPU follow bf16. So the difference grows over steps,
 from the forward's response to the adapters' updates or from state kept between steps. This trains one model per
 variant from the same seed and batch (LoRA r16 on every linear layer, AdamW lr 1e-4, as the table), and then loads
-the bf16 run's trained adapters into each variant's model and evaluates the loss: a variant that computes the
-forward of the same weights differently shows there, one that trains differently only in its curve.
+the bf16 run's trained adapters into each variant's model and evaluates the loss, without autograd and then in a
+training call (compiled blocks run compiled only in training calls): a variant that computes the forward of the same
+weights differently shows there, one that trains differently only in its curve.
 
   bf16          no quantization (the reference)
   nf4           nf4 base (the table's row that follows bf16)
@@ -127,8 +128,12 @@ def run(shape="llama3.1-8b", layers=None, steps=6, tokens=2048, device=None, sma
                     for n, t in reference.items():
                         params[n].data.copy_(t)
                     same_weights = float(model(**batch).loss)
+                # the same with autograd on: a training call (compiled blocks run compiled only there)
+                train_same = model(**batch).loss
+                train_same.backward()
+                opt.zero_grad(set_to_none=True)
                 runs[v] = {"losses": losses, "grad_norms": norms, "update_norm": update,
-                           "loss_at_bf16_adapters": same_weights}
+                           "loss_at_bf16_adapters": same_weights, "train_loss_at_bf16_adapters": float(train_same)}
                 if v in ("fp8_wrap", "fp8_compiled"):
                     ts.unwrap(model)
                 del model, opt
@@ -153,7 +158,8 @@ def main(argv=None):
     result["environment"] = environment(" ".join(["python", "scripts/fp8_curve_diag.py"] + (argv or sys.argv[1:])))
     for v, r in result["runs"].items():
         print(f"{v:13s} losses {' '.join(f'{x:.3f}' for x in r['losses'])}  grad {r['grad_norms'][0]:.3f}  "
-              f"update {r['update_norm']:.4f}  loss at bf16's adapters {r['loss_at_bf16_adapters']:.4f}", flush=True)
+              f"update {r['update_norm']:.4f}  loss at bf16's adapters {r['loss_at_bf16_adapters']:.4f} "
+              f"(training call {r['train_loss_at_bf16_adapters']:.4f})", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

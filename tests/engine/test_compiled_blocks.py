@@ -26,12 +26,20 @@ def _batches(n=3):
 
 
 def _lora_over(fmt: str, layers: int, **llama):
-    """A bf16 tiny Llama packed in ``fmt``, LoRA r8 on every linear layer (the recipes' adapter)."""
+    """A bf16 tiny Llama packed in ``fmt``, LoRA r8 on every linear layer (the recipes' adapter), its B matrices
+    non-zero (seeded), as after a first update: the adapters then add to each layer's output and A has gradients, so
+    a compiled adapter path that computes them wrongly shows (B = 0 hides both)."""
     from trainstream_hf.quant import quantize_model
     from trainstream_hf.train.model import add_lora
 
     m = quantize_model(tiny_llama(layers, vocab=128, positions=64, seed=0, **llama).to(torch.bfloat16), fmt)
-    return add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+    m = add_lora(m, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
 
 
 @pytest.fixture(autouse=True)
@@ -222,6 +230,7 @@ def test_every_format_compiles_without_a_break(fmt, request, monkeypatch):
     (l0, g0), (l1, g1) = out[False], out["aot_eager"]
     assert abs(l0 - l1) <= 1e-3 * abs(l0) and len(g0) == len(g1) == 2 * 7 * 2
     for a, b in zip(g0, g1):
+        assert a.abs().max().item() > 0  # B non-zero (_lora_over): every A has a gradient too
         assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
 
 

@@ -178,7 +178,7 @@ def forget_activation() -> None:
     """Drops the kept activation quantizations, this module's and the tensor-core layer's (the next
     :func:`quantize_activation` / :func:`trainstream_hf.ops.fp8_linear` quantizes afresh)."""
     if torch.compiler.is_compiling():
-        return  # nothing is kept under compile (_reuse_key); the compiled graph's fp8_linear keys its own by version
+        return  # nothing is kept under compile (_reuse_key); the compiled graph calls fp8_linear with reuse off
     global _LAST
     _LAST = None
     ops.fp8_forget_activation()
