@@ -616,11 +616,13 @@ def test_accumulation_counts_the_fp32_accumulator_of_bf16_host_gradients():
     assert _plan(model, accumulation=2, **dev).host_bytes() == _plan(model, **dev).host_bytes()
 
 
-def test_a_plan_fills_its_budget_when_it_pages_steps_state_on_the_device_or_is_tight():
+def test_a_plan_fills_its_budget_when_it_moves_blocks_steps_state_on_the_device_or_is_tight():
     """wrap turns the allocator's expandable segments on ('auto', on CUDA) for these plans."""
     model = _llama()
     assert not _plan(model).fills_budget()  # a huge budget
     assert _plan(model, page_weights=True, min_offload_numel=0).fills_budget()
+    assert _plan(model, offload_activations=True, min_activation_bytes=0).fills_budget()
+    assert _plan(model, recompute=True, offload_activations=False).fills_budget()
     assert _plan(model, offload_optimizer=True, min_offload_numel=2000, optimizer_resident=True).fills_budget()
     loose = _plan(model)
     need = loose.predicted_peak() + loose.margin

@@ -93,7 +93,8 @@ class TrainStreamConfig:
     expandable_segments: str | bool = field(default="auto", metadata={
         "help": "Switch the CUDA caching allocator to expandable segments (process-wide, for segments allocated "
                 "after wrap) so fragmentation cannot eat the plan's margin: 'auto' (when the plan pages weights, "
-                "steps optimizer state on the device or is predicted within 10% of the budget, and "
+                "offloads or recomputes activations, steps optimizer state on the device or is predicted within "
+                "10% of the budget, and "
                 "PYTORCH_CUDA_ALLOC_CONF does not set it), True or False (never touch the allocator)."})
     slots: int = field(default=2, metadata={"help": "Device slots of the weight ring (>= 1)."})
     prefetch: int = field(default=1, metadata={"help": "Blocks copied ahead into the ring (< slots)."})

@@ -236,11 +236,14 @@ class Plan:
         return self.predicted_peak() + self.margin <= self.budget
 
     def fills_budget(self) -> bool:
-        """Whether the plan fills its budget: by design when it pages weights or steps optimizer state on the
-        device, or predicted (with its margin) at :data:`FILLS_BUDGET` of it or more (GRPO's alternating
-        generation and training reached a 24 GiB cap in reserved memory at 94% predicted:
+        """Whether the plan fills its budget: by design when it moves any block's weights or activations off the
+        device (paged, offloaded or recomputed: made because the budget is short, and their step allocates
+        blocks of changing sizes; at 65536 tokens an 8B LoRA plan predicted at 83% of 24 GiB ran out of memory
+        with 1.81 GiB reserved but free, asking for 1 GiB: table-longest-llama3.1-8b-h100-2f4a7fd.json) or steps
+        optimizer state on the device, or predicted (with its margin) at :data:`FILLS_BUDGET` of it or more (GRPO's
+        alternating generation and training reached a 24 GiB cap in reserved memory at 94% predicted:
         recipes/grpo-llama3-8b-trainstream-h200-5cb2cc5.json)."""
-        return bool(self.paged_blocks) or bool(self.resident_numel or self.streamed_numel) or \
+        return self.moves_blocks or bool(self.resident_numel or self.streamed_numel) or \
             self.predicted_peak() + self.margin >= FILLS_BUDGET * self.budget
 
     def paged_bytes(self) -> int:

@@ -6,8 +6,8 @@ benchmarks/results/engine-paged-h200-19b40ff.json, benchmarks/NOTES.md) ran out 
 and 2.2 GiB reserved but free, asking for 594 MiB. Expandable segments map physical pages into one growing virtual
 range per stream, so freed pages are reused for any size: fragmentation stops costing device memory. The setting
 applies to segments created after it, process-wide; it cannot be undone for those, so wrap() turns it on only when
-the plan fills the budget (``expandable_segments="auto"``, ``Plan.fills_budget``: paged weights, the optimizer's
-device share, or a peak predicted within 10% of the budget; the device share's 3B full fine-tune at 24 GiB ran out
+the plan fills the budget (``expandable_segments="auto"``, ``Plan.fills_budget``: paged weights, offloaded or
+recomputed activations, the optimizer's device share, or a peak predicted within 10% of the budget; the device share's 3B full fine-tune at 24 GiB ran out
 of memory with 3.2 GiB reserved but free: H200, 5cb2cc5, engine-full-3b-h200-5cb2cc5.json) and the user has not
 chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
 """
