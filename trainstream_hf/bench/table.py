@@ -263,9 +263,11 @@ def run_longest(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None,
         payload["results"].append({"row": row, "label": ROWS[row][0], "status": status, "longest_seq": best,
                                    "tokens_per_s": at.get("tokens_per_s"), "max_reserved": at.get("max_reserved"),
                                    "probes": probes, "statuses": {n: r.get("status") for n, r in seen.items()},
-                                   # what each probe's plan decided (with its host bytes), and how a failed one failed
+                                   # what each probe's plan decided (with its host bytes), the peak it reached
+                                   # against its prediction, and how a failed one failed
                                    "plans": {n: {k: r[k] for k in ("plan", "plan_host_bytes", "predicted_peak",
-                                                                   "error") if k in r} for n, r in seen.items()}})
+                                                                   "max_allocated", "max_reserved", "error")
+                                                 if k in r} for n, r in seen.items()}})
         if on_row is not None:
             on_row(payload)
     shown = [{"row": r["label"], "status": r["status"], "longest_seq": r["longest_seq"],
