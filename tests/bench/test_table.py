@@ -214,3 +214,31 @@ def test_mfu_is_reported_only_where_the_peak_is_known():
     got = table.summarize(rows, {"model_flops_per_step": 1e14, "peak_bf16_flops": 1e15})
     assert got[0]["mfu"] == pytest.approx(0.2) and got[1]["mfu"] is None
     assert table.summarize(rows, {"model_flops_per_step": 1e14, "peak_bf16_flops": None})[0]["mfu"] is None
+
+
+def test_a_row_planned_at_a_peers_peak_runs_after_it_and_takes_its_peak(monkeypatch):
+    calls = []
+
+    def child(row, args, timeout):
+        calls.append((row, args.get("plan_budget")))
+        return {"row": row, "label": row, "status": "ok", "step_s": 0.1, "max_allocated": 5 * table.GiB}
+
+    monkeypatch.setattr(table, "_child", child)
+    payload, _ = table.run(shape="tiny", rows=["ts_nf4_at_ckpt_peak", "unsloth_ckpt"], seq=16, vram_budget_gib=24)
+    assert calls == [("unsloth_ckpt", None), ("ts_nf4_at_ckpt_peak", 5 * table.GiB)]
+    assert [r["row"] for r in payload["results"]] == ["unsloth_ckpt", "ts_nf4_at_ckpt_peak"]
+    # without the peer in the run, or when it did not run: said, and nothing started
+    calls.clear()
+    payload, _ = table.run(shape="tiny", rows=["ts_nf4_at_ckpt_peak"], seq=16, vram_budget_gib=24)
+    assert calls == [] and payload["results"][0]["status"] == (
+        "not run: its plan budget is unsloth_ckpt's peak in the same run; add unsloth_ckpt")
+    monkeypatch.setattr(table, "_child", lambda row, args, timeout: {"row": row, "status": "oom"})
+    payload, _ = table.run(shape="tiny", rows=["unsloth_ckpt", "ts_nf4_at_ckpt_peak"], seq=16, vram_budget_gib=24)
+    assert payload["results"][1]["status"] == "not run: unsloth_ckpt did not run (oom)"
+
+
+def test_a_plan_budget_under_the_cap_is_the_plans():
+    result = table.run_row("ts_nf4", shape="tiny", batch=1, seq=16, warmup=1, repeats=1, vram_budget=None,
+                           plan_budget=3 * table.GiB)
+    assert result["status"] == "ok" and result["plan_budget"] == 3 * table.GiB
+    assert "budget 3.00 GiB" in result["plan"]

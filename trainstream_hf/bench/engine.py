@@ -39,12 +39,17 @@ def _with_stats(model, step, fields: dict):
 
 
 def _measure_wrapped(name: str, fields: dict, run_device, build, *, shape: str, batch: int, seq: int, seed: int,
-                     warmup: int, repeats: int, vram_budget: Optional[int], accum: int = 1, **wrap_options) -> dict:
-    """Times ``build()``'s (model, optimizer) wrapped with ``vram_budget``, with the peers' training step
-    (``accum`` micro-batches per optimizer step)."""
+                     warmup: int, repeats: int, vram_budget: Optional[int], accum: int = 1,
+                     plan_budget: Optional[int] = None, **wrap_options) -> dict:
+    """Times ``build()``'s (model, optimizer) wrapped with ``vram_budget`` (or ``plan_budget``, the plan's own
+    budget under the cap ``vram_budget``), with the peers' training step (``accum`` micro-batches per optimizer
+    step)."""
+    if plan_budget is not None:
+        fields["plan_budget"] = plan_budget
+
     def setup():
         model, opt = build()
-        model, opt = ts.wrap(model, opt, vram_budget=vram_budget or "auto", batch_shape=(batch, seq),
+        model, opt = ts.wrap(model, opt, vram_budget=plan_budget or vram_budget or "auto", batch_shape=(batch, seq),
                              gradient_accumulation_steps=accum, **wrap_options)
         _engine_fields(model, fields)
         return _with_stats(model, _plain_step(model, opt, _batch(shape, batch, seq, run_device, seed),

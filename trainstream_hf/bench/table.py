@@ -51,6 +51,11 @@ ROWS: dict[str, tuple[str, str, str, dict]] = {
     "ts_nf4_offload_compiled": ("trainstream nf4, activations offloaded, compiled blocks", "engine",
                                 "trainstream_quant", dict(quantize="nf4", offload_activations=True, compile_blocks=True,
                                                           name_suffix=", activations offloaded, compiled blocks")),
+    # the plan's budget is the peak Unsloth's offloaded checkpointing reached in the same run (the table runs that
+    # row first): the plan chooses what to offload or recompute to meet it; "at equal or lower peak", measured
+    "ts_nf4_at_ckpt_peak": ("trainstream nf4, compiled blocks, plan budget = Unsloth checkpointing's peak", "engine",
+                            "trainstream_quant", dict(quantize="nf4", compile_blocks=True,
+                                                      name_suffix=", compiled blocks, budget of a peer's peak")),
     "ts_fp8": ("trainstream fp8", "engine", "trainstream_quant", dict(quantize="fp8")),
     "ts_fp8_compiled": ("trainstream fp8, compiled blocks", "engine", "trainstream_quant",
                         dict(quantize="fp8", compile_blocks=True, name_suffix=", compiled blocks")),
@@ -70,6 +75,9 @@ ROWS: dict[str, tuple[str, str, str, dict]] = {
 # Rows that run without the table's VRAM cap: the unconstrained speed the capped rows are held against. They are
 # never "the fastest row" of vs_fastest (which compares rows under the cap).
 UNCAPPED = frozenset({"peft_uncapped"})
+# Rows whose plan budget is another row's peak allocated memory in the same run (that row runs first; the table's
+# cap stays the process's cap).
+PLAN_BUDGET_OF = {"ts_nf4_at_ckpt_peak": "unsloth_ckpt"}
 # Rows whose process gets the environment of trainstream_hf.bench.unsloth.child_env (Unsloth's own folder first).
 UNSLOTH = frozenset({"unsloth", "unsloth_ckpt"})
 COLUMNS = ("row", "status", "step_s", "tokens_per_s", "mfu", "alloc_GiB", "reserved_GiB", "vs_fastest", "last_loss",
@@ -77,12 +85,15 @@ COLUMNS = ("row", "status", "step_s", "tokens_per_s", "mfu", "alloc_GiB", "reser
 
 
 def run_row(row: str, *, shape: str, batch: int, seq: int, warmup: int, repeats: int,
-            vram_budget: Optional[int], seed: int = 0) -> dict:
-    """Runs one row in this process; returns its result (what the child writes)."""
+            vram_budget: Optional[int], seed: int = 0, plan_budget: Optional[int] = None) -> dict:
+    """Runs one row in this process; returns its result (what the child writes). ``plan_budget``: the plan's
+    budget of a :data:`PLAN_BUDGET_OF` row (under the cap ``vram_budget``)."""
     import importlib
 
     label, module, function, options = ROWS[row]
     fn: Callable[..., dict] = getattr(importlib.import_module(f"trainstream_hf.bench.{module}"), function)
+    if plan_budget is not None:
+        options = {**options, "plan_budget": plan_budget}
     result = fn(shape, batch=batch, seq=seq, warmup=warmup, repeats=repeats,
                 vram_budget=None if row in UNCAPPED else vram_budget, seed=seed, **options)
     return {**result, "row": row, "label": label}
@@ -138,6 +149,12 @@ def _rows_and_budget(rows: Optional[list[str]], vram_budget_gib: float) -> tuple
     return rows, int(vram_budget_gib * GiB) if vram_budget_gib else None
 
 
+def _ordered(rows: list[str]) -> list[str]:
+    """``rows`` with each :data:`PLAN_BUDGET_OF` source moved ahead of the rows that take its peak."""
+    sources = [r for r in rows if r in PLAN_BUDGET_OF.values()]
+    return sources + [r for r in rows if r not in sources]
+
+
 def summarize(rows: list[dict], payload: Optional[dict] = None) -> list[dict]:
     """The table's columns for each row; ``vs_fastest`` is the step time over the fastest ``ok`` row's under the cap
     (an :data:`UNCAPPED` row gets its ratio too, but is never the fastest); ``mfu`` is the model FLOPs utilisation,
@@ -179,8 +196,20 @@ def run(*, shape: str = "llama3.1-8b", rows: Optional[list[str]] = None, batch: 
     payload = {"suite": "table", **args, "results": [],
                "model_flops_per_step": lora_step_flops(shape, batch, seq, LORA["r"]),
                "peak_bf16_flops": peak_bf16_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None}
-    for row in rows:
-        payload["results"].append(_child(row, args, row_timeout))
+    done: dict[str, dict] = {}
+    for row in _ordered(rows):
+        source = PLAN_BUDGET_OF.get(row)
+        if source is None:
+            done[row] = _child(row, args, row_timeout)
+        elif source not in done:
+            done[row] = {"row": row, "label": ROWS[row][0],
+                         "status": f"not run: its plan budget is {source}'s peak in the same run; add {source}"}
+        elif done[source].get("status") != "ok" or not done[source].get("max_allocated"):
+            done[row] = {"row": row, "label": ROWS[row][0],
+                         "status": f"not run: {source} did not run ({done[source].get('status')})"}
+        else:
+            done[row] = _child(row, {**args, "plan_budget": int(done[source]["max_allocated"])}, row_timeout)
+        payload["results"].append(done[row])
         payload["table"] = summarize(payload["results"], payload)
         if on_row is not None:
             on_row(payload)
