@@ -186,7 +186,8 @@ class TrainStreamConfig:
         "help": "Compile each decoder block's forward as one region with torch.compile (norms, RoPE, SwiGLU, casts "
                 "and adapter glue fused; one compiled graph shared by the blocks of one structure); the engine's "
                 "hooks, paging and offload stay outside it; generation and evaluation calls run eager. 'auto': on "
-                "CUDA with Triton, eager with one warning if compilation fails; True: torch.compile's default backend "
+                "CUDA with Triton, eager with one warning if compilation fails or the blocks hold FP8 tensor-core "
+                "layers (compiled, those do not yet train as eager on the GPU); True: torch.compile's default backend "
                 "(inductor); a string: that backend ('aot_eager' traces without generating kernels); False: eager. "
                 "wrap pays the compilation: the plan measures the compiled block, which saves less than the eager "
                 "one. The same maths, not the same bits (trainstream_hf/engine/compiled.py)."})
