@@ -7,9 +7,9 @@ and 2.2 GiB reserved but free, asking for 594 MiB. Expandable segments map physi
 range per stream, so freed pages are reused for any size: fragmentation stops costing device memory. The setting
 applies to segments created after it, process-wide; it cannot be undone for those, so wrap() turns it on only when
 the plan fills the budget (``expandable_segments="auto"``, ``Plan.fills_budget``: paged weights, offloaded or
-recomputed activations, the optimizer's device share, or a peak predicted within 10% of the budget; the device share's 3B full fine-tune at 24 GiB ran out
-of memory with 3.2 GiB reserved but free: H200, 5cb2cc5, engine-full-3b-h200-5cb2cc5.json) and the user has not
-chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
+recomputed activations, the optimizer's device share, or a peak predicted within 10% of the budget; the device
+share's 3B full fine-tune at 24 GiB ran out of memory with 3.2 GiB reserved but free: H200, 5cb2cc5,
+engine-full-3b-h200-5cb2cc5.json) and the user has not chosen a setting in ``PYTORCH_CUDA_ALLOC_CONF``.
 """
 from __future__ import annotations
 
