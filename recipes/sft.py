@@ -168,9 +168,12 @@ def train_plain(model, batches, tc, ts_cfg, device: torch.device, mixed: str,
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tc.betas,
                                   weight_decay=tc.weight_decay)
+    def autocast():  # the loop's forward precision
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed == "bf16")
+
     if ts_cfg is not None:
         # under the loop's autocast: the plan measures a block as the loop runs it (docs/architecture.md)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
+        with autocast():
             model, optimizer = trainstream_hf.wrap(model, optimizer, config=ts_cfg)
         if procs.main:
             tqdm.write(str(model.trainstream_plan))
@@ -192,7 +195,7 @@ def train_plain(model, batches, tc, ts_cfg, device: torch.device, mixed: str,
         batch = {k: v.to(device) for k, v in next(batches).items()}
         tokens += int(batch["attention_mask"].sum())
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
+        with autocast():
             loss = forward(**batch).loss
         loss.backward()
         if tc.max_grad_norm is not None:

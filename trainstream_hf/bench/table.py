@@ -88,8 +88,6 @@ def run_row(row: str, *, shape: str, batch: int, seq: int, warmup: int, repeats:
             vram_budget: Optional[int], seed: int = 0, plan_budget: Optional[int] = None) -> dict:
     """Runs one row in this process; returns its result (what the child writes). ``plan_budget``: the plan's
     budget of a :data:`PLAN_BUDGET_OF` row (under the cap ``vram_budget``)."""
-    import importlib
-
     label, module, function, options = ROWS[row]
     fn: Callable[..., dict] = getattr(importlib.import_module(f"trainstream_hf.bench.{module}"), function)
     if plan_budget is not None:
