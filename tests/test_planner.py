@@ -211,7 +211,8 @@ def test_below_the_minimum_raises_with_the_minimum():
     model = _llama()
     kw = dict(min_offload_numel=1000)
     lowest = [_plan(model, offload_optimizer=True, grads="host", page_weights=True, **acts, **kw)
-              for acts in (dict(offload_activations=True), dict(offload_activations=False, recompute=True))]
+              for acts in (dict(offload_activations=True), dict(offload_activations=False, recompute=True),
+                           dict(offload_activations=True, recompute=True))]  # the last: inputs in host RAM
     minimum = min(p.predicted_peak() for p in lowest) + lowest[0].margin
     assert minimum < _plan(model, **kw).predicted_peak() + lowest[0].margin  # offloading buys something
     at = _plan(model, vram_budget=minimum, **kw)  # exactly the minimum fits
@@ -436,6 +437,36 @@ def test_forward_backlog_counts_a_copy_still_running():
     before = pl.predicted_peak()
     pl.forward_seconds = None               # unknown: no backlog (as on the CPU, where copies are synchronous)
     assert pl.forward_backlog() == 0 and pl.predicted_peak() <= before
+
+
+def test_paged_plan_keeps_inputs_in_host_ram_where_that_pages_fewer_blocks():
+    """Where checkpoint inputs are small beside a block's weights (an 8B block at 2048 tokens: 16 MiB against 105
+    MiB in nf4), the paged layout puts the first blocks' inputs in host RAM and pages fewer blocks: fewer bytes up
+    the link than recomputing with every input on the device (the layout when inputs may not move)."""
+    torch.manual_seed(0)
+    model = _llama(layers=16)
+    for n, p in model.named_parameters():
+        p.requires_grad_("norm" in n)  # a frozen base
+    blocks = list(find_blocks(model))
+    w = blocks[0].weight_bytes if hasattr(blocks[0], "weight_bytes") else sum(
+        p.numel() * p.element_size() for p in blocks[0].parameters())
+
+    def make(budget, **kw):
+        return planner.plan(model, blocks, batch_shape=SHAPE, vram_budget=budget, activation_bytes=2 * w,
+                            input_bytes=w // 8, forward_seconds=1e-9, slots=2, prefetch=0, min_offload_numel=0,
+                            offload_optimizer=False, device=CPU, **kw)
+
+    unpaged = make(HUGE, recompute=True, min_activation_bytes=0)
+    for short in (2, 4):
+        budget = unpaged.predicted_peak() + unpaged.margin - short * w
+        pl = make(budget, min_activation_bytes=0)
+        on_device = make(budget, min_activation_bytes=w)  # inputs below the offloader's minimum: they stay
+        assert pl.fits() and on_device.fits()
+        assert on_device.offloaded_activation_blocks == [] and on_device.paged_blocks
+        kinds = [b.activations for b in pl.blocks]
+        assert kinds[0] == "recompute_host" and set(kinds) <= {"recompute_host", "recompute", "device"}
+        assert len(pl.paged_blocks) < len(on_device.paged_blocks)
+        assert planner._h2d_bytes(pl) < planner._h2d_bytes(on_device)
 
 
 def test_recompute_true_is_kept_when_paging():

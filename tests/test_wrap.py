@@ -554,6 +554,23 @@ def test_checkpoint_inputs_in_host_ram_train_exactly(train_side_by_side):
     ts.unwrap(model)
 
 
+def test_paged_weights_with_checkpoint_inputs_in_host_ram_train_exactly(train_side_by_side):
+    """Paged frozen blocks that are also recomputed with their inputs in host RAM (the layout a tight budget gets
+    when the inputs cost less link time than paging more blocks): losses and gradients bit for bit."""
+    ref = _llama()
+    for n, p in ref.named_parameters():
+        p.requires_grad_("layers" not in n)  # frozen blocks, a trainable embedding, head and final norm
+    model = copy.deepcopy(ref)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model, opt = ts.wrap(model, torch.optim.AdamW(params, lr=1e-3),
+                         **{**FORCE, "offload_optimizer": False, "recompute": True})
+    plan = ts.engine_of(model).plan
+    assert plan.paged_blocks == [0, 1, 2] and [b.activations for b in plan.blocks] == ["recompute_host"] * 3
+    train_side_by_side(ref, model, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3), opt,
+                       [_batch(s) for s in range(3)])
+    ts.unwrap(model)
+
+
 def test_long_sequences_offload_checkpoint_inputs_before_paging():
     """When even every block's input is too much for the budget (long sequences), the plan keeps them in host RAM
     and recomputes, rather than paging weights; the last inputs that fit stay on the device."""

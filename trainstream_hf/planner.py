@@ -579,38 +579,60 @@ def _offload_checkpoint_inputs(pl: Plan) -> None:
             break
 
 
-def _prefer_recompute_when_paging(pl: Plan, page) -> None:
+def _prefer_recompute_when_paging(pl: Plan, page, inputs_to_host: bool = False) -> None:
     """Once weights are paged, the H2D link carries every paged block twice per step and is the bottleneck: an
     offloaded block's activations would queue behind the weights (up in backward), while recomputing it costs
     GPU time that waits on the link anyway, and its smaller footprint leaves room for more resident weights
     (each one 2 x its bytes less traffic per step). So the activation layout is redone for paging: recompute
     every block that can be, then page as few blocks as fit, then give the slack back to the last blocks'
-    activations (kept: no recompute, no traffic). Kept only if it moves fewer PCIe bytes than the layout chosen
-    before paging, which spaced offloaded blocks by their copy time and never recomputed when one copy hides under
-    one block's forward (at a tight budget recomputing can even avoid paging altogether).
+    activations (kept: no recompute, no traffic). Kept only if it sends fewer bytes up the link (:func:`_h2d_bytes`)
+    than the layout chosen before paging, which spaced offloaded blocks by their copy time and never recomputed when
+    one copy hides under one block's forward (at a tight budget recomputing can even avoid paging altogether).
+
+    With ``inputs_to_host`` the same is tried with every recomputed block's input in host RAM first (fewer blocks
+    paged; the slack goes back to the last blocks' inputs, then to their activations), and the layout that sends
+    fewer bytes up the link is taken.
 
     History: the 32B LoRA at 24 GiB offloaded 21 blocks' activations, 13.6 GB of its 107 GB H2D per step, and ran
     out of memory; with this layout it trains at 89% of the link (benchmarks/NOTES.md, 2026-12-04;
-    benchmarks/results/engine-paged-h200-19b40ff.json and engine-paged-h200-ffeb4e4.json)."""
+    benchmarks/results/engine-paged-h200-19b40ff.json and engine-paged-h200-ffeb4e4.json). An 8B nf4 LoRA planned at
+    Unsloth checkpointing's 6.53 GiB recomputed every block with its input on the device and paged 12 blocks: 0.355 s
+    against 0.165 s unconstrained (table-llama3.1-8b-at-ckpt-peak-h100-84d38cc.json); its inputs are 0.5 GiB."""
     before = [(b.activations, b.weights) for b in pl.blocks]
-    fitted, moved, peak = pl.fits(), pl.pcie_bytes(), pl.predicted_peak()
-    for b in pl.blocks:
-        b.activations = "recompute" if b.can_recompute else b.activations
-    page()
-    if pl.fits():
-        for b in reversed(pl.blocks):
-            if b.activations != "recompute":
-                continue
-            b.activations = "device"
-            if not pl.fits():
-                b.activations = "recompute"
-                break
-        better = not fitted or pl.pcie_bytes() < moved
+    fitted, moved, peak = pl.fits(), _h2d_bytes(pl), pl.predicted_peak()
+    layouts = []  # (fits, key, layout) per kind tried
+    for kind in ("recompute", "recompute_host") if inputs_to_host else ("recompute",):
+        for b, (a, _) in zip(pl.blocks, before):
+            b.activations = kind if b.can_recompute else a
+        page()
+        if pl.fits():
+            for give, to in (("recompute_host", "recompute"), ("recompute", "device")):
+                for b in reversed(pl.blocks):
+                    if b.activations != give:
+                        continue
+                    b.activations = to
+                    if not pl.fits():
+                        b.activations = give
+                        break
+        key = (_h2d_bytes(pl), pl.pcie_bytes()) if pl.fits() else (pl.predicted_peak(),)
+        layouts.append((pl.fits(), key, [(b.activations, b.weights) for b in pl.blocks]))
+    ok, _, layout = min(layouts, key=lambda x: (not x[0], x[1]))
+    for b, (a, w) in zip(pl.blocks, layout):
+        b.activations, b.weights = a, w
+    if ok:
+        better = not fitted or _h2d_bytes(pl) < moved
     else:  # neither fits: keep the lower peak, so that the error states the true minimum
         better = not fitted and pl.predicted_peak() < peak
     if not better:
         for b, (a, w) in zip(pl.blocks, before):
             b.activations, b.weights = a, w
+
+
+def _h2d_bytes(pl: Plan) -> int:
+    """Bytes a step sends up the link for its blocks: paged weights twice (forward, backward), offloaded activations
+    once (fetched for backward). The copies down (activations in forward) take the link's other direction, which
+    carries nothing else while weights are paged, so a paged step's copies take at least this over the H2D rate."""
+    return sum(2 * b.host_weight_bytes() * (b.weights == "host") + b.host_activation_bytes() for b in pl.blocks)
 
 
 def _warn_unpaged(blocks: Sequence[nn.Module], block_plans: list[BlockPlan], min_offload_numel: int) -> None:
@@ -880,7 +902,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
 
         page()
         if page_weights == "auto" and offload_activations == "auto" and recompute == "auto":
-            _prefer_recompute_when_paging(pl, page)
+            _prefer_recompute_when_paging(pl, page, inputs_to_host=input_bytes >= max(min_activation_bytes, 1))
         if page_weights is True:
             _warn_unpaged(blocks, block_plans, min_offload_numel)
         if not pl.paged_blocks:
