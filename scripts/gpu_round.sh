@@ -81,7 +81,7 @@ for s in "$@"; do case $s in
   engine_full_nods) run 400 engine_full_nods $B engine --peers full,ts_full,ts_full_inbwd,ts_full_inbwd_rc \
       --full-shape llama3.2-3b --warmup 2 --repeats 5 --out "$OUT" --name "engine-full-3b-$GPU-$SHA" ;;
   micro) run 180 micro $B micro --out "$OUT" --name "micro-$GPU-$SHA" ;;  # copies, pinning, AdamW, contention
-  cache) run 580 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;  # ~4-6 min: 10 rows x 3 repeats of generate()
+  cache) run 900 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;  # 10 rows, each in its own process (model built in each), 3 repeats of generate()
   longest) run 1200 longest $B table --longest --shape llama3.1-8b --peers ts_nf4,unsloth_ckpt --seq 65536 --granularity 16384 \
       --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;
   align_8b) for r in grpo dpo; do for t in trainstream trl_bnb; do

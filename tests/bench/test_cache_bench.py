@@ -1,12 +1,17 @@
-"""bench cache on the CPU (tiny model): every row decodes the same tokens through generate(), and each paged row
-is set against its floor."""
+"""bench cache on the CPU (tiny model): every row decodes the same tokens through generate(), each paged row is set
+against its floor, and each row runs in a process of its own whose crash or hang is that row's status."""
 import json
+import sys
+import time
 
 import pytest
 
 from trainstream_hf.bench import cache
 from trainstream_hf.bench.__main__ import main
 from trainstream_hf.bench.models import model_config
+
+DEVICE_FIGURES = ("device_free_at_start", "device_total", "device_free_after_model", "device_allocated_after_model",
+                  "max_allocated", "max_reserved")
 
 
 def test_every_row_decodes_the_dynamic_caches_tokens_and_paged_rows_get_a_floor(tmp_path, capsys):
@@ -26,6 +31,10 @@ def test_every_row_decodes_the_dynamic_caches_tokens_and_paged_rows_get_a_floor(
         assert rows[name]["vs_floor"] == pytest.approx(rows[name]["step_ms"] / rows["dynamic"]["step_ms"])
     assert rows["ts_0.0"]["cache_stats"]["h2d_bytes"] > 0 and rows["ts_1.0"]["cache_stats"]["h2d_bytes"] == 0
     assert "| 2 x 32, 8 new | ts_0.5 | ok |" in capsys.readouterr().out
+    for name in ("dynamic", "ts_1.0", "ts_0.5", "ts_0.0"):  # where memory stood (no device figures on the CPU)
+        r = rows[name]
+        assert {k: r[k] for k in DEVICE_FIGURES} == dict.fromkeys(DEVICE_FIGURES) and r["stage"] == "done"
+        assert r["host_available_at_start"] > 0 and r["host_available_after_model"] > 0
 
 
 def test_kv_bytes_count_k_and_v_of_every_kv_head():
@@ -34,9 +43,11 @@ def test_kv_bytes_count_k_and_v_of_every_kv_head():
     assert cache.kv_bytes_per_layer("llama3-8b", 32, 1024) == 2 * 32 * 8 * 128 * 1024 * 2
 
 
-def test_unknown_rows_are_named():
+def test_unknown_rows_and_bad_timeouts_are_named():
     with pytest.raises(ValueError, match=r"unknown row\(s\) \['nope'\]; choose from dynamic"):
         cache.run(rows=["nope"], quick=True)
+    with pytest.raises(ValueError, match=r"row_timeout 0: give the seconds a row may run \(> 0\), or None"):
+        cache.run(quick=True, row_timeout=0)
 
 
 def test_a_failing_row_is_a_result_and_the_others_run(monkeypatch):
@@ -53,5 +64,58 @@ def test_a_failing_row_is_a_result_and_the_others_run(monkeypatch):
     rows = {r["row"]: r for r in payload["results"]}
     assert rows["ts_0.5"]["status"] == "error: RuntimeError: copy engine on fire"
     assert rows["dynamic"]["status"] == "ok" and rows["ts_0.0"]["status"] == "ok"
-    # the payload so far after each setting (one in a quick run), for a JSON that a cut run still leaves behind
-    assert len(partial) == 1 and [r["row"] for r in partial[0]["results"]] == ["dynamic", "ts_0.5", "ts_0.0"]
+    # the payload so far after each row, for a JSON that a cut run still leaves behind
+    assert [[r["row"] for r in p["results"]] for p in partial] == [["dynamic"], ["dynamic", "ts_0.5"],
+                                                                    ["dynamic", "ts_0.5", "ts_0.0"]]
+    assert rows["ts_0.5"]["error"] == "copy engine on fire\nsecond line" and rows["ts_0.5"]["max_allocated"] is None
+
+
+def test_a_row_in_a_child_process_returns_its_tokens_and_memory_figures():
+    partial = []
+    payload, _ = cache.run(quick=True, repeats=1, rows=["ts_0.0"], isolate=True, on_row=partial.append)
+    (r,) = payload["results"]
+    here = cache.run_row("dynamic", shape="tiny", batch=2, prompt=32, new=8, repeats=1)
+    assert r["status"] == "ok" and r["tokens"] == here["tokens"]  # the child built the same weights and prompts
+    assert r["offloaded_layers"] == model_config("tiny").num_hidden_layers and r["cache_stats"]["h2d_bytes"] > 0
+    assert {k: r[k] for k in DEVICE_FIGURES} == dict.fromkeys(DEVICE_FIGURES) and r["stage"] == "done"
+    assert r["host_available_at_start"] > 0 and r["host_available_after_model"] > 0 and r["wall_s"] > 0
+    assert "log_tail" not in r and partial == [payload] and json.loads(json.dumps(payload)) == payload
+
+
+def _fake_children(monkeypatch, before: dict) -> None:
+    """Each row's child process replaced by a small Python program that runs ``before[row](out)`` (code) and then
+    writes an ``ok`` row: a step of 2 ms, the same tokens in every row."""
+    def command(what, args, out):
+        row = {"row": what, "status": "ok", "tokens": [[1, 2], [3, 4]], "step_ms": 2.0, "prefill_s": 0.1,
+               "tokens_per_s": 10.0, "offloaded_layers": 1, "max_reserved": None}
+        code = before.get(what, lambda _out: "")(out) + f"\nimport json; json.dump({row!r}, open({out!r}, 'w'))"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(cache, "_child_command", command)
+
+
+def test_a_row_whose_process_dies_is_a_result_and_the_next_rows_run(monkeypatch):
+    _fake_children(monkeypatch, {"ts_0.5": lambda out: "raise RuntimeError('copy engine on fire')"})
+    partial = []
+    payload, md = cache.run(quick=True, rows=["dynamic", "ts_0.5", "ts_0.0"], isolate=True, on_row=partial.append)
+    rows = {r["row"]: r for r in payload["results"]}
+    assert rows["ts_0.5"]["status"] == "crashed (exit 1): RuntimeError: copy engine on fire"
+    assert rows["ts_0.5"]["log_tail"][0] == "Traceback (most recent call last):"
+    assert rows["dynamic"]["status"] == "ok" and rows["ts_0.0"]["status"] == "ok"
+    assert rows["ts_0.0"]["same_tokens"] == 1.0 and rows["ts_0.0"]["vs_floor"] == 1.0  # the parent's sums
+    assert [len(p["results"]) for p in partial] == [1, 2, 3]
+    assert "| 2 x 32, 8 new | ts_0.5 | crashed (exit 1): RuntimeError: copy engine on fire |" in md
+
+
+def test_a_row_that_outlives_its_timeout_is_stopped_and_keeps_what_it_wrote(monkeypatch):
+    started = {"row": "ts_0.5", "status": "running", "stage": "generate", "host_available_at_start": 123}
+    _fake_children(monkeypatch, {"ts_0.5": lambda out: (
+        f"import json, time; json.dump({started!r}, open({out!r}, 'w')); print('decoding', flush=True); "
+        "time.sleep(60)")})
+    t0 = time.perf_counter()
+    payload, _ = cache.run(quick=True, rows=["dynamic", "ts_0.5", "ts_0.0"], isolate=True, row_timeout=1)
+    assert time.perf_counter() - t0 < 30
+    rows = {r["row"]: r for r in payload["results"]}
+    assert rows["ts_0.5"]["status"] == "timeout after 1 s" and rows["ts_0.5"]["log_tail"] == ["decoding"]
+    assert rows["ts_0.5"]["stage"] == "generate" and rows["ts_0.5"]["host_available_at_start"] == 123
+    assert rows["dynamic"]["status"] == "ok" and rows["ts_0.0"]["status"] == "ok"

@@ -63,8 +63,9 @@ def main(argv=None) -> None:
                             "llama3.1-8b)")
     peers.add_argument("--granularity", type=int, default=None,
                        help="table --longest: bisect down to this many tokens (default 4096)")
-    peers.add_argument("--row-timeout", type=float, default=1800.0,
-                       help="table: seconds a row's process may run before it is stopped and reported as such")
+    peers.add_argument("--row-timeout", type=float, default=None,
+                       help="table, cache: seconds a row's process may run before it is stopped and reported as "
+                            "such (default 1800 for table, 240 for cache)")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() before each row's timed steps (every row alike); rows always report their "
                              "Python GC collections and pause time (python_gc)")
@@ -133,7 +134,8 @@ def main(argv=None) -> None:
         if args.seq or args.new_tokens or args.batch != 1:
             settings = ((args.batch, args.seq or 2048, args.new_tokens or 128),)
         payload, md = cache.run(shape=args.shape, settings=settings, repeats=args.repeats or 3, quick=args.quick,
-                                rows=args.peers.split(",") if args.peers else None, on_row=on_row)
+                                rows=args.peers.split(",") if args.peers else None, on_row=on_row,
+                                row_timeout=args.row_timeout or cache.ROW_TIMEOUT)
     elif args.suite == "host":
         from trainstream_hf.bench import host
         payload, md = host.run(quick=args.quick, rows=args.peers.split(",") if args.peers else None)
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
             start=args.seq or (16 if tiny else 8192), limit=256 if tiny else 262144,
             granularity=args.granularity or (16 if tiny else 4096),
             vram_budget_gib=args.vram_budget_gib, rows=args.peers.split(",") if args.peers else None,
-            row_timeout=args.row_timeout, on_row=on_row)
+            row_timeout=args.row_timeout or 1800.0, on_row=on_row)
     elif args.suite == "table":
         from trainstream_hf.bench import table
         quick_or_tiny = args.quick or args.shape == "tiny"
@@ -153,7 +155,7 @@ def main(argv=None) -> None:
             shape=args.shape or ("tiny" if args.quick else "llama3.1-8b"), batch=args.batch,
             seq=args.seq or (64 if quick_or_tiny else 2048), warmup=args.warmup or (1 if args.quick else 3),
             repeats=args.repeats or (3 if args.quick else 10), vram_budget_gib=args.vram_budget_gib,
-            rows=args.peers.split(",") if args.peers else None, row_timeout=args.row_timeout, on_row=on_row)
+            rows=args.peers.split(",") if args.peers else None, row_timeout=args.row_timeout or 1800.0, on_row=on_row)
     path = common.write_json(name, payload, args.out)
     if args.profile:
         profiled = harness.profile_markdown(payload.get("results") or payload.get("rows") or [])
