@@ -78,6 +78,8 @@ class CastSources:
         kept ``src``'s strides, under grad mode: nothing else could be rebuilt bit for bit)."""
         if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)) or out is src:
             return
+        if torch.compiler.is_compiling():  # a compiled block: its graph decides what it saves (and reads no versions)
+            return
         if not torch.is_grad_enabled() or src.device != out.device or src.layout != torch.strided:
             return
         if not (src.dtype.is_floating_point and out.dtype.is_floating_point):
@@ -98,7 +100,9 @@ class CastSources:
 
     def source(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(source, cast output)`` when ``t`` is a recorded cast output or a view of one, both unchanged
-        since the cast; else None."""
+        since the cast; else None (always while torch.compile traces: nothing is recorded there)."""
+        if torch.compiler.is_compiling():
+            return None
         base = t if t._base is None else t._base
         e = self._map.get(id(base))
         if e is None:
