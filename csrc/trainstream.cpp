@@ -113,6 +113,7 @@ PYBIND11_MODULE(_C, m) {
           row["tuned"] = p.tuned;
           row["ms_chosen"] = p.ms_chosen;
           row["ms_first"] = p.ms_first;
+          row["alignments"] = pybind11::make_tuple(p.align_w, p.align_x, p.align_out);
           rows.append(row);
         }
         return rows;

@@ -19,6 +19,10 @@ weights differently shows there, one that trains differently only in its curve.
   fp8_noreuse   the default path quantizing each layer's activations afresh (no reuse between q/k/v, gate/up)
   fp8_wrap      the default path under the engine (wrap with the table's 24 GiB budget)
   fp8_compiled  the same with compile_blocks=True
+  fp8_compiled_peft  fp8_compiled with PEFT's own LoRA forward (no fused adapter op in the compiled blocks)
+
+The FP8 GEMM's plans (cuBLASLt's algorithm per shape and operand alignment) are printed and kept in the JSON: the
+compiled blocks' buffers may sit at other alignments than eager's, and so get algorithms of their own.
 
     python scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 8 --steps 6 --out fp8-curve-diag.json
 """
@@ -33,7 +37,7 @@ import tempfile
 import torch
 
 VARIANTS = ("bf16", "nf4", "fp8", "fp8_emulated", "fp8_dequant", "fp8_peft", "fp8_noreuse", "fp8_wrap",
-            "fp8_compiled")
+            "fp8_compiled", "fp8_compiled_peft")
 
 
 @contextlib.contextmanager
@@ -48,7 +52,7 @@ def _variant(name: str):
         original = matmul.select_path
         matmul.select_path = lambda fmt, device, act_quant=None: forced
         undo.callback(setattr, matmul, "select_path", original)
-    if name == "fp8_peft":
+    if name in ("fp8_peft", "fp8_compiled_peft"):
         fast = QuantLoraLinear._fast_adapter
         QuantLoraLinear._fast_adapter = lambda self, args, kwargs: None
         undo.callback(setattr, QuantLoraLinear, "_fast_adapter", fast)
@@ -105,9 +109,9 @@ def run(shape="llama3.1-8b", layers=None, steps=6, tokens=2048, device=None, sma
                                  alpha=LORA["lora_alpha"], dropout=LORA["lora_dropout"],
                                  target_modules=LORA["target_modules"])
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
-                if v in ("fp8_wrap", "fp8_compiled"):
+                if v in ("fp8_wrap", "fp8_compiled", "fp8_compiled_peft"):
                     model, opt = ts.wrap(model, opt, vram_budget="24GiB" if cuda else "8GiB",
-                                         batch_shape=(1, tokens), compile_blocks=v == "fp8_compiled")
+                                         batch_shape=(1, tokens), compile_blocks=v.startswith("fp8_compiled"))
                 start = _lora_state(model)
                 losses, norms = [], []
                 for _ in range(steps):
@@ -134,13 +138,15 @@ def run(shape="llama3.1-8b", layers=None, steps=6, tokens=2048, device=None, sma
                 opt.zero_grad(set_to_none=True)
                 runs[v] = {"losses": losses, "grad_norms": norms, "update_norm": update,
                            "loss_at_bf16_adapters": same_weights, "train_loss_at_bf16_adapters": float(train_same)}
-                if v in ("fp8_wrap", "fp8_compiled"):
+                if v in ("fp8_wrap", "fp8_compiled", "fp8_compiled_peft"):
                     ts.unwrap(model)
                 del model, opt
                 if cuda:
                     torch.cuda.empty_cache()
+    from trainstream_hf import ops
     return {"shape": "small" if small else shape, "layers": layers, "steps": steps, "tokens": tokens,
-            "device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None, "runs": runs}
+            "device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None, "runs": runs,
+            "fp8_gemm": ops.fp8_gemm(device) if cuda else "torch", "fp8_gemm_plans": ops.fp8_gemm_plans()}
 
 
 def main(argv=None):
@@ -160,6 +166,9 @@ def main(argv=None):
         print(f"{v:13s} losses {' '.join(f'{x:.3f}' for x in r['losses'])}  grad {r['grad_norms'][0]:.3f}  "
               f"update {r['update_norm']:.4f}  loss at bf16's adapters {r['loss_at_bf16_adapters']:.4f} "
               f"(training call {r['train_loss_at_bf16_adapters']:.4f})", flush=True)
+    for p in result["fp8_gemm_plans"]:
+        print(f"plan m={p['m']} n={p['n']} k={p['k']} align={p.get('alignments', '')} chosen={p['chosen']} of "
+              f"{p['candidates']} tuned={p['tuned']} ms {p['ms_chosen']:.3f} / first {p['ms_first']:.3f}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

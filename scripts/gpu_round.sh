@@ -9,7 +9,7 @@
 #                                                                   engine_full_nods (no DeepSpeed row) cache longest align_8b
 #                                                                   recipe_8b_full engine_full_8b micro align_8b_compiled gen_tests
 #                                                                   wrap_tests compile_tests fp8_grad_diag fp8_curve_diag
-#                                                                   compiled_fp8 plan_tests
+#                                                                   compiled_fp8 plan_tests fp8_gemm_diag
 #                                                                   host_embedding
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +51,10 @@ for s in "$@"; do case $s in
   compiled_fp8) run 240 compiled_fp8 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compiled_blocks_cuda.py
       run 300 compiled_fp8_curve python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 4 --steps 4 \
       --variants bf16,fp8_wrap,fp8_compiled --out "$OUT/fp8-compiled-curve-$GPU-$SHA.json" ;;  # compiled vs eager
+  fp8_gemm_diag) run 150 fp8_gemm_diag python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 4 --steps 4 \
+      --variants bf16,fp8_wrap,fp8_compiled,fp8_compiled_peft --out "$OUT/fp8-gemm-diag-$GPU-$SHA.json"
+      TRAINSTREAM_FP8_GEMM=torch run 120 fp8_gemm_diag_torch python3 scripts/fp8_curve_diag.py --shape llama3.1-8b \
+      --layers 4 --steps 4 --variants bf16,fp8_wrap,fp8_compiled --out "$OUT/fp8-gemm-diag-torch-$GPU-$SHA.json" ;;
   plan_tests) run 240 plan_tests python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_plan_cuda.py ;;  # peaks
   fp8_profile) run 90 fp8_profile $B quant --peers bf16,fp8 --profile 5 --out "$OUT" --name "profile-quant-fp8-$GPU-$SHA" ;;
   profile_8b) run 400 profile_8b $B table --peers ts_nf4,peft_uncapped --warmup 2 --repeats 3 --profile 2 \

@@ -186,10 +186,11 @@ std::vector<Fp8GemmPlanInfo> plans_report(bool clear) {
   std::vector<Fp8GemmPlanInfo> rows;
   for (const auto& [key, plan] : *plans) {
     rows.push_back(Fp8GemmPlanInfo{key.v[0], key.v[1], key.v[2], key.v[3], key.v[4], plan.candidates, plan.chosen,
-                                   plan.tuned, plan.ms_chosen, plan.ms_first});
+                                   plan.tuned, plan.ms_chosen, plan.ms_first, key.v[5], key.v[6], key.v[7]});
   }
   std::sort(rows.begin(), rows.end(), [](const Fp8GemmPlanInfo& x, const Fp8GemmPlanInfo& y) {
-    return std::tie(x.device, x.m, x.n, x.k, x.out_dtype) < std::tie(y.device, y.m, y.n, y.k, y.out_dtype);
+    return std::tie(x.device, x.m, x.n, x.k, x.out_dtype, x.align_w, x.align_x, x.align_out) <
+           std::tie(y.device, y.m, y.n, y.k, y.out_dtype, y.align_w, y.align_x, y.align_out);
   });
   if (clear) plans->clear();
   return rows;

@@ -72,6 +72,9 @@ struct Fp8GemmPlanInfo {
   int64_t candidates, chosen;          // algorithms the heuristic returned; the kept one's index in its order
   bool tuned;                          // chosen by timing (else the heuristic's first choice)
   double ms_chosen, ms_first;          // per GEMM where timed, else -1
+  // the byte alignments in the key (the largest power of two up to 256 dividing each address) of b (the FP8 layer's
+  // weight), a (its activations) and the output
+  int64_t align_w = 0, align_x = 0, align_out = 0;
 };
 using Fp8GemmPlansSource = std::vector<Fp8GemmPlanInfo> (*)(bool clear);
 // fp8_gemm.cu, where it is built, hands over the reader of its plan table at load time; fp8_gemm_plans() returns

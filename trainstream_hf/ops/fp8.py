@@ -136,7 +136,8 @@ def fp8_gemm(device: torch.device | str | None = None) -> str:
 def fp8_gemm_plans(clear: bool = False) -> list[dict]:
     """The plans :func:`fp8_gemm_rowwise` keeps, one per (device, M, N, K, output dtype, alignments), sorted: keys
     ``device``, ``m``, ``n``, ``k``, ``out_dtype``, ``candidates`` (algorithms cuBLASLt's heuristic offered, up to 8),
-    ``chosen`` (the kept one's index in the heuristic's order), ``tuned`` (chosen by timing each once; False: the
+    ``chosen`` (the kept one's index in the heuristic's order), ``alignments`` (the byte alignments of ``b``, ``a``
+    and the output the plan was chosen for: part of its key), ``tuned`` (chosen by timing each once; False: the
     heuristic's first, as under CUDA graph capture or with ``TRAINSTREAM_FP8_GEMM_TUNE=0``), ``ms_chosen`` and
     ``ms_first`` (milliseconds per GEMM of the kept and of the heuristic's first algorithm, -1 where not timed). Empty
     where the build has no cuBLASLt GEMM.
