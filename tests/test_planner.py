@@ -469,6 +469,32 @@ def test_paged_plan_keeps_inputs_in_host_ram_where_that_pages_fewer_blocks():
         assert planner._h2d_bytes(pl) < planner._h2d_bytes(on_device)
 
 
+def test_backward_extra_counts_in_each_blocks_backward():
+    """What a block's backward allocates beyond what it holds (measured on CUDA, none on the CPU) is on top of every
+    backward moment: all activations kept, recomputed blocks, and the first block's backward beside the gradients;
+    a budget that fits without it moves activations with it."""
+    model = _llama(layers=4)
+    for n, p in model.named_parameters():
+        p.requires_grad_("norm" in n)  # a frozen base: the activations, not the gradients, make the peak
+    a = 1 << 20
+    kw = dict(activation_bytes=a, input_bytes=a // 16, forward_seconds=1e-9, offload_optimizer=False)
+    extra = a
+    for moves in ({}, dict(recompute=True)):
+        without, with_extra = _plan(model, **moves, **kw), _plan(model, backward_extra_bytes=extra, **moves, **kw)
+        assert (without.backward_extra, with_extra.backward_extra) == (0, extra)
+        assert with_extra.predicted_peak() > without.predicted_peak()
+        assert with_extra.predicted_peak() <= without.predicted_peak() + extra
+    kept = _plan(model, backward_extra_bytes=extra, **kw)
+    assert not kept.moves_blocks and max(kept._moments()) >= sum(b.activation_bytes for b in kept.blocks) + extra
+    budget = _plan(model, **kw).predicted_peak() + planner.DEFAULT_MARGIN
+    assert not _plan(model, vram_budget=budget, **kw).moves_blocks
+    tight = _plan(model, vram_budget=budget, backward_extra_bytes=extra, **kw)
+    assert tight.fits() and tight.moves_blocks
+    assert "backward extra 0.00 GiB" in str(tight)  # 1 MiB, printed in GiB
+    # the CPU has no allocator peak to measure it by
+    assert planner.measure_block(model, find_blocks(model)[1], SHAPE, CPU).backward_extra is None
+
+
 def test_recompute_true_is_kept_when_paging():
     """recompute=True means every block that can be recomputed is: the paged layout does not give blocks back their
     activations, whatever the slack."""

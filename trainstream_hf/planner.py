@@ -38,7 +38,7 @@ from trainstream_hf.engine.weights import block_bytes
 
 __all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
            "measure_activation_bytes", "activation_bytes_per_token", "measure_head", "pages_param", "page_filter",
-           "format_bytes"]
+           "format_bytes", "measure_backward_extra"]
 
 GiB = 2**30
 # Parameters smaller than this stay with the device optimizer even when optimizer state is offloaded:
@@ -151,6 +151,12 @@ class Plan:
     # the frozen input embedding's table kept in pinned host RAM, its rows read there by the device (host_embedding):
     # off the device, on the host
     host_embedding_bytes: int = 0
+    # device bytes a block's backward allocates beyond what it had when it began (its saved tensors, its output's
+    # gradient), at its worst moment, measured on CUDA (measure_block): the gradients of its intermediates, the
+    # attention kernel's workspace, a tiled MLP's tile; 0 where unmeasured (the CPU). History: the 8B nf4 LoRA plan
+    # undercounted its peak by 1.6 GiB at 32768 tokens and ran out of memory at 49152 and 65536 on an H100
+    # (table-longest-llama3.1-8b-h100-84d38cc.json).
+    backward_extra: int = 0
 
     # -- predictions ----------------------------------------------------------------------------
     @property
@@ -198,17 +204,21 @@ class Plan:
         # Backward, block i: what lower blocks still hold, block i's own activations (recomputed or fetched),
         # block i-1's when offloaded (always fetched one block ahead; deeper prefetch stays within this bound),
         # and the gradients so far (bounded by all of them). The logits are gone by then.
+        # Each block's backward also allocates backward_extra beyond what it held when it began.
         resident, current = self._activation_rows()
+        extra = self.backward_extra
         backward, run = 0, 0
         if any(current):
             for i, (r, c) in enumerate(zip(resident, current)):
                 run += r
                 below = self.blocks[i - 1] if i else None
                 nxt = below.host_activation_bytes() if below is not None else 0
-                backward = max(backward, run + c + nxt)
+                backward = max(backward, run + c + nxt + extra)
             backward += self.grad_bytes
+        elif extra:  # every block's activations on the device: the last block's backward, the logits gone
+            backward = sum(resident) + extra
         one_block = max((b.activation_bytes for b in self.blocks), default=0)
-        return forward, backward, self.grad_bytes + one_block
+        return forward, backward, self.grad_bytes + one_block + extra
 
     def predicted_peak(self) -> int:
         """Predicted peak device bytes allocated during one training step (``max_memory_allocated``).
@@ -312,7 +322,8 @@ class Plan:
                          f"{1e3 * b.pcie_bytes() / self.pcie_bps:.2f} |")
         lines.append(f"non-block weights and device optimizer: {self.fixed_bytes / GiB:.2f} GiB; gradients "
                      f"{self.grad_bytes / GiB:.2f} GiB; logits "
-                     f"{self.logits_bytes / GiB:.2f} GiB; margin {self.margin / GiB:.2f} GiB; PCIe "
+                     f"{self.logits_bytes / GiB:.2f} GiB; backward extra {self.backward_extra / GiB:.2f} GiB; margin "
+                     f"{self.margin / GiB:.2f} GiB; PCIe "
                      f"{self.pcie_bytes() / GiB:.2f} GiB/step; step floor {self.predicted_step_floor():.3f} s")
         return "\n".join(lines)
 
@@ -388,10 +399,11 @@ class BlockMeasure:
     forward_seconds: float
     raw_activation_bytes: int = 0  # the same without cast elision (each saved widened copy counted as itself)
     saved_sizes: tuple[int, ...] = ()  # bytes of each saved storage counted in activation_bytes
+    backward_extra: int | None = None  # Plan.backward_extra, measured (CUDA); None: not measured
 
 
 def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int], device: torch.device,
-                  *, repeats: int = 2, casts=None) -> BlockMeasure | None:
+                  *, repeats: int = 2, casts=None, backward: bool = True) -> BlockMeasure | None:
     """Measures ``block`` on a random batch of ``batch_shape``, the way the model will run it.
 
     Measure a block that is not the first when the model has several (``wrap`` measures the second): the first
@@ -405,8 +417,9 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
     passes, so one-time initialisation is not counted). Costs the embedding and one block's activations of
     device memory, for a moment. With ``casts`` (a :class:`~trainstream_hf.engine.casts.CastSources`
     installed on the model), a saved widened copy counts as its source, as the engine will save it
-    (``raw_activation_bytes`` counts it as itself: the bytes without elision). Returns
-    None when the model takes no ``input_ids`` (no ``config.vocab_size``).
+    (``raw_activation_bytes`` counts it as itself: the bytes without elision). With ``backward`` on CUDA, also
+    what the block's backward allocates beyond what it holds when it begins (:func:`measure_backward_extra`).
+    Returns None when the model takes no ``input_ids`` (no ``config.vocab_size``).
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not vocab:
@@ -486,7 +499,61 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
         if entered:  # the block raised (e.g. out of memory): don't leave `pack` on every later backward
             ctx.__exit__(None, None, None)
         held.clear()
-    return BlockMeasure(sum(seen.values()), found["input"], found["t"], sum(raw.values()), tuple(seen.values()))
+    extra = measure_backward_extra(model, block, ids) if backward and cuda else None
+    return BlockMeasure(sum(seen.values()), found["input"], found["t"], sum(raw.values()), tuple(seen.values()),
+                        extra)
+
+
+def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> int | None:
+    """CUDA: device bytes ``block``'s backward allocates beyond those allocated when it begins, at its worst moment
+    (``max_memory_allocated`` over the backward less ``memory_allocated`` before it): the gradients of its
+    intermediates, the attention kernel's workspace, a tiled MLP's tile, less what it frees of its saved tensors
+    on the way. The forward runs on ``ids`` as far as the end of ``block``, whose input is cut from the graph
+    before it (the backward stops there) and needs a gradient, as in training; the output's gradient is random.
+    Parameters' gradients are left as they were. None off CUDA, and where the block's backward does not fit now
+    (out of memory: the plan then counts nothing; the step will tell)."""
+    if ids.device.type != "cuda":
+        return None
+    got: dict = {}
+
+    def pre(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (args[0].detach().requires_grad_(),) + tuple(args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach().requires_grad_()}
+        return None
+
+    def post(module, args, out):
+        got["out"] = out[0] if isinstance(out, (tuple, list)) else out
+        raise _Stop
+
+    grads = {p: p.grad for p in model.parameters() if p.requires_grad}
+    handles = [block.register_forward_pre_hook(pre, with_kwargs=True), block.register_forward_hook(post)]
+    device = ids.device
+    try:
+        try:
+            with torch.enable_grad():
+                model(input_ids=ids)
+        except _Stop:
+            pass
+        out = got.pop("out", None)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return None
+        grad = torch.randn_like(out)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.autograd.backward(out, grad)
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        got.clear()
+        for p, g in grads.items():
+            p.grad = g
 
 
 # Fraction of the measured forward time counted as room for activation copies: offloaded blocks are spaced
@@ -697,7 +764,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
          device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None,
          optimizer_moments: str = "float32", accumulation: int = 1, optimizer_in_backward: bool = False,
-         host_embedding: nn.Module | None = None) -> Plan:
+         host_embedding: nn.Module | None = None, backward_extra_bytes: int | None = None) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -749,6 +816,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         host_embedding: the input embedding module whose table ``wrap`` keeps in pinned host RAM
             (``host_embedding``; the device reads its rows there): its bytes leave the device's fixed bytes and
             count in the host's.
+        backward_extra_bytes: what one block's backward allocates beyond what it held when it began
+            (:attr:`BlockMeasure.backward_extra`, measured on CUDA); None: 0.
 
     Warns:
         RuntimeWarning: a forced ``page_weights=True`` or ``offload_activations=True`` that cannot move anything
@@ -810,7 +879,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     pl = Plan(budget=budget, blocks=block_plans, slots=0, prefetch=0, logits_bytes=logits, margin=margin,
               min_offload_numel=min_offload_numel, forward_seconds=forward_seconds,
               moment_bytes=2 if optimizer_moments == "bfloat16" else 4, accumulation=int(accumulation),
-              in_backward=bool(optimizer_in_backward),
+              in_backward=bool(optimizer_in_backward), backward_extra=int(backward_extra_bytes or 0),
               host_embedding_bytes=_numel_bytes(host_embedding.parameters()) if host_embedding is not None else 0)
 
     def settle(offload_opt: bool, grads_host: bool, only: list[tuple[str, nn.Parameter]] | None = None) -> None:

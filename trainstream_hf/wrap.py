@@ -654,7 +654,8 @@ def _make_plan(s: _Setup) -> planner.Plan:
             optimizer_resident=config.optimizer_resident, optimizer_streamed=config.optimizer_streamed,
             cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments,
             accumulation=config.gradient_accumulation_steps, optimizer_in_backward=config.optimizer_in_backward,
-            host_embedding=host_embedding if host_embedding is not None else s.host_embedding)
+            host_embedding=host_embedding if host_embedding is not None else s.host_embedding,
+            backward_extra_bytes=None if m is None else m.backward_extra)
 
     # The input embedding that may go to pinned host RAM (host_embedding; engine/embedding.py), where 'auto' takes it
     # when memory is short: the plan does not fit, or moves anything else off the device.
