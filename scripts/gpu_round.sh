@@ -114,7 +114,7 @@ for s in "$@"; do case $s in
         --trainstream.vram_budget 22GiB --train.steps 6 --output_dir /tmp/grpo-compiled-cache
       cp /tmp/grpo-compiled-cache/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-cache-$GPU-$SHA.json" \
         2>/dev/null ;;
-  engine_full_8b) run 580 engine_full_8b $B engine --peers ds3,ts_full_bf16m --full-shape llama3-8b --warmup 1 --repeats 3 \
+  engine_full_8b) run 580 engine_full_8b $B engine --peers ts_full_bf16m,ds3 --full-shape llama3-8b --warmup 1 --repeats 3 \
       --out "$OUT" --name "engine-full-8b-$GPU-$SHA" ;;
   recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \
       recipes/sft.py --config configs/llama3-8b-full-24gib.yaml --train.steps 6 --output_dir /tmp/sft8bfull

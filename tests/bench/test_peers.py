@@ -410,3 +410,20 @@ def test_zero3_peer_offloads_parameters_and_optimizer():
         peers.deepspeed_zero2_offload("tiny", stage=4, device="cpu")
     row = peers.deepspeed_zero2_offload("tiny", stage=3, device="cpu")  # no CUDA (or no deepspeed) here
     assert row["status"].startswith("not run") and "ZeRO-3" in row["name"] and "offload_param cpu" in row["name"]
+
+
+def test_deepspeed_full_finetune_host_estimate():
+    """A DeepSpeed full fine-tune row whose states (DeepSpeed's own estimate: 16 bytes per parameter for ZeRO-2's
+    offloaded optimizer, 18 for ZeRO-3's) cannot fit the host's available RAM says so before it starts: the kernel
+    would kill it, and the suite's process with it."""
+    from trainstream_hf.bench.peers import DEEPSPEED_HOST_BYTES, _deepspeed_host_shortfall
+
+    numel = sum(p.numel() for p in peers.build_model("llama3-8b", torch.bfloat16, "meta").parameters())
+    assert 8.0e9 < numel < 8.1e9
+    host = 128 * 2**30
+    why = _deepspeed_host_shortfall("llama3-8b", 3, available=host)
+    assert why is not None and "18 bytes per parameter" in why and "128 GiB available" in why
+    assert 18 * numel > host >= 16 * numel  # ZeRO-3 does not fit 128 GiB; ZeRO-2's estimate would
+    assert _deepspeed_host_shortfall("llama3-8b", 2, available=host) is None
+    assert _deepspeed_host_shortfall("tiny", 3, available=host) is None
+    assert DEEPSPEED_HOST_BYTES == {2: 16, 3: 18}

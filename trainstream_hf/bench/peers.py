@@ -253,6 +253,31 @@ def zero3_offload_config(batch: int, **overrides) -> dict:
     return config
 
 
+# Host bytes per trainable parameter DeepSpeed's own estimate (deepspeed.runtime.zero.stage3's
+# estimate_zero3_model_states_mem_needs) counts for a CPU-offloaded optimizer: the fp32 master (4), both moments (8)
+# and fp32 gradients (4); ZeRO-3's offloaded parameters add their 16-bit copy (2).
+DEEPSPEED_HOST_BYTES = {2: 16, 3: 18}
+
+
+def _deepspeed_host_shortfall(shape: str, stage: int, available: Optional[int] = None) -> Optional[str]:
+    """Why a full fine-tune of ``shape`` under DeepSpeed ZeRO-``stage`` with CPU offload cannot fit this host's RAM
+    (its estimate against ``MemAvailable``), or None where it may. Checked before the row starts: a peer that fills
+    the host is killed by the kernel, and the whole suite's process with it (the 8B ZeRO-3 row on a 128 GiB host,
+    benchmarks/results/gpu-round-h100-84d38cc.txt)."""
+    from trainstream_hf.engine.arena import host_memory_available
+
+    available = host_memory_available() if available is None else available
+    if available is None:
+        return None
+    numel = sum(p.numel() for p in build_model(shape, torch.bfloat16, "meta").parameters())
+    need = DEEPSPEED_HOST_BYTES[stage] * numel
+    if need <= available:
+        return None
+    return (f"host RAM: DeepSpeed's estimate for ZeRO-{stage} with CPU offload is {DEEPSPEED_HOST_BYTES[stage]} bytes "
+            f"per parameter, {need / 2**30:.0f} GiB for {numel / 1e9:.2f} B parameters, and this host has "
+            f"{available / 2**30:.0f} GiB available")
+
+
 def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
                             vram_budget: Optional[int] = None, *, batch: int = 1, seq: int = 2048,
                             warmup: int = 3, repeats: int = 10, device=None, seed: int = 0,
@@ -274,7 +299,8 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
             a full fine-tune whose weights do not fit the GPU).
 
     Returns:
-        The result row; ``status`` is ``"not run: ..."`` without deepspeed, its op, or CUDA.
+        The result row; ``status`` is ``"not run: ..."`` without deepspeed, its op, or CUDA, and for a full
+        fine-tune whose states DeepSpeed's estimate puts above the host's available RAM (the row would be killed).
     """
     device, fields = _common(f"deepspeed_zero{stage}_offload" + ("_lora" if lora else ""), shape, grad_ckpt, batch,
                              seq, device)
@@ -303,6 +329,10 @@ def deepspeed_zero2_offload(shape: str = "llama3.2-3b", grad_ckpt: bool = False,
         fields["op_build_s"] = time.perf_counter() - t0
     except Exception as err:  # noqa: BLE001
         return not_run(name, f"deepspeed cpu_adam op failed to build: {type(err).__name__}: {err}", **fields)
+    if not lora:
+        short = _deepspeed_host_shortfall(shape, stage)
+        if short is not None:
+            return not_run(name, short, **fields)
     try:
         _init_single_rank(deepspeed)
     except Exception as err:  # noqa: BLE001
