@@ -48,7 +48,8 @@ for s in "$@"; do case $s in
       run 200 fp8_layer_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_fp8_cuda.py ;;
   fp8_curve_diag) run 420 fp8_curve_diag python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 8 --steps 6 \
       --out "$OUT/fp8-curve-diag-$GPU-$SHA.json" ;;  # which fp8 variant trains off the bf16 curve, and why
-  compiled_fp8) run 240 compiled_fp8 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compiled_blocks_cuda.py
+  compiled_fp8) run 240 compiled_fp8 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_compiled_blocks_cuda.py \
+      tests/gpu/test_quant_fp8_cuda.py -k "compiled or misaligned"
       run 300 compiled_fp8_curve python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 4 --steps 4 \
       --variants bf16,fp8_wrap,fp8_compiled --out "$OUT/fp8-compiled-curve-$GPU-$SHA.json" ;;  # compiled vs eager
   fp8_gemm_diag) run 150 fp8_gemm_diag python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 4 --steps 4 \

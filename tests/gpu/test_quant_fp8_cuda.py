@@ -129,11 +129,13 @@ def test_quantize_rows_cuda_equals_cpu(shape, dtype, with_col_scale):
     assert_same_bits(s, s_cpu, devices=("cuda", "cpu"))
 
 
+@pytest.mark.parametrize("shape", [(17, 256), (64, 4096), (8, 14336)])  # the 8B shape's widths too
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_rows_misaligned_and_strided(dtype):
-    """x or col_scale at an odd address, and a transposed x: the unvectorised path (or a contiguous copy), same bits."""
-    x = _activations((17, 256), 8, dtype)
-    cs = column_scale(256, 9)
+def test_quantize_rows_misaligned_and_strided(dtype, shape):
+    """x or col_scale at an odd address, and a transposed x: the unvectorised path (or a contiguous copy), same bits;
+    at the widths of an 8B model's layers as well, where the unvectorised kernel reads each row twice."""
+    x = _activations(shape, 8, dtype)
+    cs = column_scale(shape[1], 9)
     expect = ops.quantize_rows_e4m3(x, cs)
     for xg, csg in ((_offset_copy(x.cuda()), cs.cuda()), (x.cuda(), _offset_copy(cs.cuda())),
                     (x.t().contiguous().cuda().t(), cs.cuda())):
