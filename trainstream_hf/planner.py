@@ -611,7 +611,7 @@ def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.d
 def measure_activation_bytes(model: nn.Module, block: nn.Module, batch_shape: tuple[int, int],
                              device: torch.device) -> int | None:
     """Saved-tensor bytes of ``block`` for one micro-batch (see :func:`measure_block`)."""
-    m = measure_block(model, block, batch_shape, device, repeats=1)
+    m = measure_block(model, block, batch_shape, device, repeats=1, backward=False)
     return None if m is None else m.activation_bytes
 
 
