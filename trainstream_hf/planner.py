@@ -510,8 +510,9 @@ def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor
     intermediates, the attention kernel's workspace, a tiled MLP's tile, less what it frees of its saved tensors
     on the way. The forward runs on ``ids`` as far as the end of ``block``, whose input is cut from the graph
     before it (the backward stops there) and needs a gradient, as in training; the output's gradient is random.
-    Parameters' gradients are left as they were. None off CUDA, and where the block's backward does not fit now
-    (out of memory: the plan then counts nothing; the step will tell)."""
+    Parameters' gradients are left as they were, and the random number generators too (forked: the user's stream of
+    random numbers, e.g. dropout's, is the same as without the measurement). None off CUDA, and where the block's
+    backward does not fit now (out of memory: the plan then counts nothing; the step will tell)."""
     if ids.device.type != "cuda":
         return None
     got: dict = {}
@@ -531,15 +532,17 @@ def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor
     handles = [block.register_forward_pre_hook(pre, with_kwargs=True), block.register_forward_hook(post)]
     device = ids.device
     try:
-        try:
-            with torch.enable_grad():
-                model(input_ids=ids)
-        except _Stop:
-            pass
+        with torch.random.fork_rng(devices=[device]):
+            try:
+                with torch.enable_grad():
+                    model(input_ids=ids)
+            except _Stop:
+                pass
         out = got.pop("out", None)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return None
-        grad = torch.randn_like(out)
+        grad = torch.randn(out.shape, dtype=out.dtype, device=device,
+                           generator=torch.Generator(device=device).manual_seed(0))
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
