@@ -495,6 +495,32 @@ def test_backward_extra_counts_in_each_blocks_backward():
     assert planner.measure_block(model, find_blocks(model)[1], SHAPE, CPU).backward_extra is None
 
 
+def test_backward_extra_probe_runs_one_blocks_backward_and_leaves_the_model_as_it_was():
+    """The probe behind Plan.backward_extra (CUDA's allocator counters stood in): the forward stops at the block's
+    end, the backward stops at its input (the blocks before it and the embedding get no gradient), every trainable
+    parameter's gradient is as before afterwards, and the random streams are untouched."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_llama(layers=3), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    blocks = list(find_blocks(model))
+    seen = {}
+
+    def peak(_device):
+        seen["grads"] = {n: p.grad is not None for n, p in model.named_parameters() if p.requires_grad}
+        return 1000
+
+    counters = (lambda _d: None, lambda _d: 600, lambda _d: None, peak)
+    ids = torch.randint(0, 128, SHAPE)
+    state = torch.random.get_rng_state()
+    assert planner.measure_backward_extra(model, blocks[1], ids, memory=counters) == 400
+    assert torch.equal(state, torch.random.get_rng_state())
+    got = seen["grads"]
+    assert any(v for n, v in got.items() if ".layers.1." in n)  # block 1's adapters had their gradients
+    assert not any(v for n, v in got.items() if ".layers.0." in n or ".layers.2." in n)  # cut at its input
+    assert all(p.grad is None for p in model.parameters())  # and given back
+    assert planner.measure_backward_extra(model, blocks[1], ids) is None  # the CPU: not measured
+
+
 def test_recompute_true_is_kept_when_paging():
     """recompute=True means every block that can be recomputed is: the paged layout does not give blocks back their
     activations, whatever the slack."""

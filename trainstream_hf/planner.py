@@ -504,7 +504,7 @@ def measure_block(model: nn.Module, block: nn.Module, batch_shape: tuple[int, in
                         extra)
 
 
-def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> int | None:
+def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor, memory=None) -> int | None:
     """CUDA: device bytes ``block``'s backward allocates beyond those allocated when it begins, at its worst moment
     (``max_memory_allocated`` over the backward less ``memory_allocated`` before it): the gradients of its
     intermediates, the attention kernel's workspace, a tiled MLP's tile, less what it frees of its saved tensors
@@ -512,9 +512,16 @@ def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor
     before it (the backward stops there) and needs a gradient, as in training; the output's gradient is random.
     Parameters' gradients are left as they were, and the random number generators too (forked: the user's stream of
     random numbers, e.g. dropout's, is the same as without the measurement). None off CUDA, and where the block's
-    backward does not fit now (out of memory: the plan then counts nothing; the step will tell)."""
-    if ids.device.type != "cuda":
-        return None
+    backward does not fit now (out of memory: the plan then counts nothing; the step will tell).
+
+    ``memory``: ``(synchronize, allocated, reset_peak, peak)``, functions of the device (default: torch.cuda's; the
+    CPU tests give their own)."""
+    if memory is None:
+        if ids.device.type != "cuda":
+            return None
+        memory = (torch.cuda.synchronize, torch.cuda.memory_allocated, torch.cuda.reset_peak_memory_stats,
+                  torch.cuda.max_memory_allocated)
+    synchronize, allocated, reset_peak, peak = memory
     got: dict = {}
 
     def pre(module, args, kwargs):
@@ -532,7 +539,7 @@ def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor
     handles = [block.register_forward_pre_hook(pre, with_kwargs=True), block.register_forward_hook(post)]
     device = ids.device
     try:
-        with torch.random.fork_rng(devices=[device]):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             try:
                 with torch.enable_grad():
                     model(input_ids=ids)
@@ -543,12 +550,12 @@ def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor
             return None
         grad = torch.randn(out.shape, dtype=out.dtype, device=device,
                            generator=torch.Generator(device=device).manual_seed(0))
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        synchronize(device)
+        before = allocated(device)
+        reset_peak(device)
         torch.autograd.backward(out, grad)
-        torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - before)
+        synchronize(device)
+        return max(0, peak(device) - before)
     except torch.OutOfMemoryError:
         return None
     finally:
