@@ -21,8 +21,8 @@ weights differently shows there, one that trains differently only in its curve.
   fp8_compiled  the same with compile_blocks=True
   fp8_compiled_peft  fp8_compiled with PEFT's own LoRA forward (no fused adapter op in the compiled blocks)
 
-The FP8 GEMM's plans (cuBLASLt's algorithm per shape and operand alignment) are printed and kept in the JSON: the
-compiled blocks' buffers may sit at other alignments than eager's, and so get algorithms of their own.
+The FP8 GEMM's plans (cuBLASLt's algorithm per shape and operand alignment) are printed and kept in the JSON, so
+a compiled call that got an algorithm of its own (another alignment of an operand) would show there.
 
     python scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 8 --steps 6 --out fp8-curve-diag.json
 """
@@ -163,7 +163,7 @@ def main(argv=None):
     from trainstream_hf.bench.common import environment
     result["environment"] = environment(" ".join(["python", "scripts/fp8_curve_diag.py"] + (argv or sys.argv[1:])))
     for v, r in result["runs"].items():
-        print(f"{v:13s} losses {' '.join(f'{x:.3f}' for x in r['losses'])}  grad {r['grad_norms'][0]:.3f}  "
+        print(f"{v:17s} losses {' '.join(f'{x:.3f}' for x in r['losses'])}  grad {r['grad_norms'][0]:.3f}  "
               f"update {r['update_norm']:.4f}  loss at bf16's adapters {r['loss_at_bf16_adapters']:.4f} "
               f"(training call {r['train_loss_at_bf16_adapters']:.4f})", flush=True)
     for p in result["fp8_gemm_plans"]:
