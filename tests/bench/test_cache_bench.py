@@ -119,3 +119,10 @@ def test_a_row_that_outlives_its_timeout_is_stopped_and_keeps_what_it_wrote(monk
     assert rows["ts_0.5"]["status"] == "timeout after 1 s" and rows["ts_0.5"]["log_tail"] == ["decoding"]
     assert rows["ts_0.5"]["stage"] == "generate" and rows["ts_0.5"]["host_available_at_start"] == 123
     assert rows["dynamic"]["status"] == "ok" and rows["ts_0.0"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("suite", ["cache", "table"])
+def test_a_row_timeout_that_is_no_time_is_refused_in_one_line(suite, capsys):
+    with pytest.raises(SystemExit):
+        main([suite, "--quick", "--row-timeout", "0"])
+    assert "--row-timeout 0: give the seconds a row's process may run (> 0)" in capsys.readouterr().err

@@ -81,6 +81,9 @@ def main(argv=None) -> None:
         parser.error(f"--profile {args.profile}: give a number of steps >= 1 (0: no profile)")
     if args.trace and not args.profile:
         parser.error("--trace writes the traces of --profile's steps: give --profile N too")
+    if args.row_timeout is not None and not args.row_timeout > 0:
+        parser.error(f"--row-timeout {args.row_timeout:g}: give the seconds a row's process may run (> 0)")
+    row_timeout = {} if args.row_timeout is None else {"row_timeout": args.row_timeout}  # else each suite's default
     for option, shape in (("--shape", args.shape), ("--full-shape", args.full_shape)):
         if shape is not None:
             try:
@@ -135,7 +138,7 @@ def main(argv=None) -> None:
             settings = ((args.batch, args.seq or 2048, args.new_tokens or 128),)
         payload, md = cache.run(shape=args.shape, settings=settings, repeats=args.repeats or 3, quick=args.quick,
                                 rows=args.peers.split(",") if args.peers else None, on_row=on_row,
-                                row_timeout=args.row_timeout or cache.ROW_TIMEOUT)
+                                **row_timeout)
     elif args.suite == "host":
         from trainstream_hf.bench import host
         payload, md = host.run(quick=args.quick, rows=args.peers.split(",") if args.peers else None)
@@ -147,7 +150,7 @@ def main(argv=None) -> None:
             start=args.seq or (16 if tiny else 8192), limit=256 if tiny else 262144,
             granularity=args.granularity or (16 if tiny else 4096),
             vram_budget_gib=args.vram_budget_gib, rows=args.peers.split(",") if args.peers else None,
-            row_timeout=args.row_timeout or 1800.0, on_row=on_row)
+            on_row=on_row, **row_timeout)
     elif args.suite == "table":
         from trainstream_hf.bench import table
         quick_or_tiny = args.quick or args.shape == "tiny"
@@ -155,7 +158,7 @@ def main(argv=None) -> None:
             shape=args.shape or ("tiny" if args.quick else "llama3.1-8b"), batch=args.batch,
             seq=args.seq or (64 if quick_or_tiny else 2048), warmup=args.warmup or (1 if args.quick else 3),
             repeats=args.repeats or (3 if args.quick else 10), vram_budget_gib=args.vram_budget_gib,
-            rows=args.peers.split(",") if args.peers else None, row_timeout=args.row_timeout or 1800.0, on_row=on_row)
+            rows=args.peers.split(",") if args.peers else None, on_row=on_row, **row_timeout)
     path = common.write_json(name, payload, args.out)
     if args.profile:
         profiled = harness.profile_markdown(payload.get("results") or payload.get("rows") or [])

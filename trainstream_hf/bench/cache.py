@@ -50,6 +50,7 @@ import torch
 from trainstream_hf.bench.common import markdown_table
 from trainstream_hf.bench.harness import free_memory, is_oom
 from trainstream_hf.bench.models import build_model, model_config
+from trainstream_hf.engine.arena import host_memory_available
 
 ROWS = ("dynamic", "ts_1.0", "ts_0.5", "ts_0.0", "dynamic_offloaded")
 SETTINGS = ((8, 2048, 128), (32, 1024, 64))  # (batch, prompt tokens, new tokens): the table of issue 27
@@ -142,23 +143,11 @@ def measure_row(row: str, model, ids: torch.Tensor, new: int, repeats: int) -> d
     return out
 
 
-def host_available() -> Optional[int]:
-    """The host's ``MemAvailable`` in bytes (/proc/meminfo); None where there is no such figure."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def memory_now(when: str, device: torch.device) -> dict:
     """``device_free_<when>`` and ``device_total`` (``torch.cuda.mem_get_info``, None off CUDA) and
-    ``host_available_<when>`` (:func:`host_available`), in bytes."""
+    ``host_available_<when>`` (:func:`~trainstream_hf.engine.arena.host_memory_available`), in bytes."""
     free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
-    return {f"device_free_{when}": free, "device_total": total, f"host_available_{when}": host_available()}
+    return {f"device_free_{when}": free, "device_total": total, f"host_available_{when}": host_memory_available()}
 
 
 def _prompts(model, batch: int, prompt: int, device: torch.device) -> torch.Tensor:
