@@ -448,8 +448,7 @@ def test_paged_plan_keeps_inputs_in_host_ram_where_that_pages_fewer_blocks():
     for n, p in model.named_parameters():
         p.requires_grad_("norm" in n)  # a frozen base
     blocks = list(find_blocks(model))
-    w = blocks[0].weight_bytes if hasattr(blocks[0], "weight_bytes") else sum(
-        p.numel() * p.element_size() for p in blocks[0].parameters())
+    w = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
 
     def make(budget, **kw):
         return planner.plan(model, blocks, batch_shape=SHAPE, vram_budget=budget, activation_bytes=2 * w,
