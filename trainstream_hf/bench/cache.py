@@ -38,9 +38,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from typing import Callable, Optional
@@ -48,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from trainstream_hf.bench.common import markdown_table
-from trainstream_hf.bench.harness import free_memory, is_oom
+from trainstream_hf.bench.harness import free_memory, is_oom, run_child
 from trainstream_hf.bench.models import build_model, model_config
 from trainstream_hf.engine.arena import host_memory_available
 
@@ -57,7 +55,7 @@ SETTINGS = ((8, 2048, 128), (32, 1024, 64))  # (batch, prompt tokens, new tokens
 COLUMNS = ("setting", "row", "status", "tokens_per_s", "prefill_s", "step_ms", "floor_ms", "vs_floor",
            "offloaded_layers", "same_tokens")
 ROW_TIMEOUT = 240.0  # seconds a row's child process may run, building its model included
-STATUS_CHARS, ERROR_CHARS, LOG_LINES = 400, 2000, 20  # a failed row's error in its status and in full; its log
+STATUS_CHARS, ERROR_CHARS = 400, 2000  # a failed row's error in its status and in full
 GiB = 2**30
 
 
@@ -218,38 +216,9 @@ def _child_command(what: str, args: dict, out: str) -> list[str]:
 
 
 def _child(what: str, args: dict, timeout: Optional[float]) -> dict:
-    """``what`` in a child process: what it wrote last (a child writes its row as it goes), with a status of
-    ``crashed (exit N): <its last line>`` (or ``signal N``) where it died and ``timeout after N s`` where it
-    outlived ``timeout`` seconds (None: no limit), ``log_tail`` (its last lines of output, if any) where the status
-    is not ``ok``, and ``wall_s``."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="trainstream-cache-") as tmp:
-        out, log = os.path.join(tmp, "result.json"), os.path.join(tmp, "output.txt")
-        with open(log, "w") as f:
-            try:
-                code = subprocess.run(_child_command(what, args, out), stdout=f, stderr=subprocess.STDOUT,
-                                      timeout=timeout).returncode
-                failure = None if code == 0 else f"crashed (exit {code})" if code > 0 else f"crashed (signal {-code})"
-            except subprocess.TimeoutExpired:
-                failure = f"timeout after {timeout:g} s"
-        result = {}
-        if os.path.exists(out):  # written whole (renamed into place), or by a program that ended
-            with open(out) as f:
-                try:
-                    result = json.load(f)
-                except ValueError:
-                    pass
-        with open(log, errors="replace") as f:
-            tail = [line.rstrip()[:300] for line in f.read().splitlines()[-LOG_LINES:]]
-    if failure is None and result.get("status", "running") == "running":
-        failure = "crashed (exit 0)"
-    if failure is not None:
-        last = next((line for line in reversed(tail) if line.strip()), "no output")
-        result["status"] = failure if failure.startswith("timeout") else f"{failure}: {last}"
-    if result["status"] != "ok" and tail:
-        result["log_tail"] = tail
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+    """``what`` in a child process (:func:`~trainstream_hf.bench.harness.run_child`: what it wrote last, with its
+    status where it died or outlived ``timeout`` seconds, and its last lines of output)."""
+    return run_child(lambda out: _child_command(what, args, out), timeout)
 
 
 def _same_tokens(tokens: list, ref: list) -> Optional[float]:

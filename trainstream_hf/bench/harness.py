@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import gzip
+import json
 import os
 import re
 import shutil
+import subprocess
+import tempfile
 import threading
 import time
 from typing import Callable, Optional
@@ -308,6 +311,46 @@ def _keeping_losses(step: Step, into: list) -> Step:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             into.append(value)
     return run
+
+
+LOG_LINES = 20  # a failed child's last lines of output kept in its row
+
+
+def run_child(command: Callable[[str], list[str]], timeout: Optional[float], *, env: Optional[dict] = None) -> dict:
+    """``command(out)`` (a child that writes its result to the JSON file ``out``) in a process of its own, with
+    ``env`` (None: this one's): what it wrote to ``out`` last (a child may
+    write its result as it goes, whole each time), with the status ``crashed (exit N): <its last line>`` (or
+    ``signal N``) where it died or ended without a finished result (no status, or ``running``), ``timeout after N
+    s`` where it outlived ``timeout`` seconds (None: no limit), ``log_tail`` (its last lines of output) where the
+    status is not ``ok``, and ``wall_s``. Every suite's rows run through this one runner."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trainstream-bench-") as tmp:
+        out, log = os.path.join(tmp, "result.json"), os.path.join(tmp, "output.txt")
+        with open(log, "w") as f:
+            try:
+                code = subprocess.run(command(out), stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                      env=env).returncode
+                failure = None if code == 0 else f"crashed (exit {code})" if code > 0 else f"crashed (signal {-code})"
+            except subprocess.TimeoutExpired:
+                failure = f"timeout after {timeout:g} s"
+        result = {}
+        if os.path.exists(out):  # written whole (renamed into place), or by a program that ended
+            with open(out) as f:
+                try:
+                    result = json.load(f)
+                except ValueError:
+                    pass
+        with open(log, errors="replace") as f:
+            tail = [line.rstrip()[:300] for line in f.read().splitlines()[-LOG_LINES:]]
+    if failure is None and result.get("status", "running") == "running":
+        failure = "crashed (exit 0)"
+    if failure is not None:
+        last = next((line for line in reversed(tail) if line.strip()), "no output")
+        result["status"] = failure if failure.startswith("timeout") else f"{failure}: {last}"
+    if result["status"] != "ok" and tail:
+        result["log_tail"] = tail
+    result["wall_s"] = time.perf_counter() - t0
+    return result
 
 
 def not_run(name: str, reason: str, **fields) -> dict:

@@ -21,15 +21,13 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from typing import Callable, Optional
 
 import torch
 
 from trainstream_hf.bench.common import markdown_table, peak_bf16_flops
+from trainstream_hf.bench.harness import run_child
 from trainstream_hf.bench.models import lora_step_flops
 from trainstream_hf.bench.peers import LORA
 
@@ -108,27 +106,14 @@ def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
     need = NEEDS.get(ROWS[row][2])
     if need is not None and importlib.util.find_spec(need) is None:
         return {"row": row, "label": label, "status": f"not run: {need} not installed"}
-    with tempfile.TemporaryDirectory(prefix="trainstream-table-") as tmp:
-        out = os.path.join(tmp, "row.json")
-        cmd = [sys.executable, "-m", "trainstream_hf.bench.table", "--child", row, "--json", out,
-               "--child-args", json.dumps(args), "--harness", json.dumps(harness_settings())]
-        env = None
-        if row in UNSLOTH:
-            from trainstream_hf.bench.unsloth import child_env
-            env = child_env()
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"row": row, "label": label, "status": f"timeout after {timeout:.0f} s"}
-        if proc.returncode != 0 or not os.path.exists(out):
-            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-            return {"row": row, "label": label, "status": f"crashed (exit {proc.returncode}): {last}",
-                    "wall_s": time.perf_counter() - t0}
-        with open(out) as f:
-            result = json.load(f)
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+    env = None
+    if row in UNSLOTH:
+        from trainstream_hf.bench.unsloth import child_env
+        env = child_env()
+    result = run_child(lambda out: [sys.executable, "-m", "trainstream_hf.bench.table", "--child", row, "--json", out,
+                                    "--child-args", json.dumps(args), "--harness", json.dumps(harness_settings())],
+                       timeout, env=env)
+    return {"row": row, "label": label, **result}
 
 
 def harness_settings() -> dict:
