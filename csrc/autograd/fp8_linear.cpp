@@ -41,8 +41,9 @@
 // saved tensors), data pointer, sizes, strides, dtype, device and the current stream (a consumer on another stream
 // is not ordered after the quantizing kernel). Writes that bypass the version counter are not seen, as autograd does
 // not see them: through x.data (its own counter), from outside torch, or a CUDA graph replay rewriting its static
-// outputs. Never kept or reused: inference tensors (no version counter), calls with reuse=false, and calls while the
-// current CUDA stream is being captured into a graph. The kept copy (T x K bytes + T floats) goes at the first
+// outputs. Never kept or reused: inference tensors (no version counter), calls with reuse=false, calls traced into a
+// compiled graph (whose code writes buffers without version bumps), and calls while the current CUDA stream is being
+// captured into a graph. The kept copy (T x K bytes + T floats) goes at the first
 // backward through an FP8 layer (the forward is over), when another quantization replaces it, when the next call
 // finds its tensor dead, or at fp8_forget_activation(); the reused result is the same bits as a fresh one.
 //
@@ -411,7 +412,10 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     ctx->saved_data["sizes"] = x.sizes().vec();
     // Not through save_for_backward: the caller's weight copy, not an activation (see the top of this file).
     if (w_t.has_value() && w_t->defined()) ctx->saved_data["w_t"] = *w_t;
-    if (traced(x) || traced(w)) return linear_op().call(x, w, w_scale, reuse, w_t, outliers);
+    // Traced (torch.compile, export): the graph's call never keeps or reuses. A compiler's generated code writes a
+    // freed buffer's next contents into the same tensor object without bumping its version counter (inductor's
+    // `buf4 = buf0; del buf0  # reuse`), so the kept quantization of the old contents would be taken for the new.
+    if (traced(x) || traced(w)) return linear_op().call(x, w, w_scale, /*reuse=*/false, w_t, outliers);
     return fp8_linear_forward(x, w, w_scale, reuse, w_t, outliers);
   }
 

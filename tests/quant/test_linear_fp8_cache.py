@@ -328,3 +328,28 @@ def test_cache_bytes_counted_by_the_planner_for_resident_blocks_only():
     assert pl.predicted_peak() == 3 * 1500
     blocks[0].weights = blocks[1].weights = "host"  # paged: weights in the slots, no kept copy
     assert pl.predicted_peak() == 1500 + 2 * 1000
+
+
+@pytest.mark.parametrize("through", ["ops", "op_with_grad"])
+def test_a_compiled_graph_never_reuses_a_quantization(through):
+    """Inductor writes a freed buffer's next contents into the same tensor object without a version bump (``buf4 =
+    buf0; del buf0  # reuse``): a kept quantization would be taken for the new contents. Under torch.compile nothing
+    is kept or reused, whether the call comes through ops.fp8_linear (no autograd: the Python wrapper turns reuse off)
+    or the op itself with reuse asked for and a gradient to trace (its C++ autograd node turns it off)."""
+    q = quantize(strided_outlier_weight(64, 64, 3, every=37), "fp8")
+    w, s = q.tensors["data"], q.tensors["scale"]
+    call = ops.fp8_linear if through == "ops" else torch.ops.trainstream.fp8_linear.default
+
+    def f(x):
+        a = torch.sin(x).to(torch.bfloat16)
+        y1 = call(a, w, s, True)
+        # computed after y1 (it reads it), once a is dead: inductor writes it into a's buffer
+        b = torch.cos(x + y1.float().sum(1, keepdim=True) * 0.0 + 1.0).to(torch.bfloat16)
+        return y1, call(b, w, s, True)
+
+    x = _x(32, 64, 11).float().requires_grad_(through == "op_with_grad")
+    e1, e2 = f(x)
+    torch._dynamo.reset()
+    c1, c2 = torch.compile(f, backend="inductor")(x)
+    assert not torch.equal(e1, e2)
+    assert torch.equal(c1, e1) and torch.equal(c2, e2)

@@ -59,7 +59,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
     kept from the previous call is taken when that call quantized this very ``x``, unmodified (same tensor object,
     version counter, storage, layout, stream; same bits as a fresh one): the q / k / v layers reading one hidden state
     quantize it once. The kept copy goes at the first backward through the op, when another one replaces it, when its
-    tensor is found dead, or at :func:`fp8_forget_activation` (csrc/autograd/fp8_linear.cpp says what is never kept).
+    tensor is found dead, or at :func:`fp8_forget_activation` (csrc/autograd/fp8_linear.cpp says what is never kept:
+    calls traced by torch.compile among them).
 
     Args:
         x: (..., K) bfloat16 / float16, the layer's input.
@@ -74,6 +75,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, reuse: b
             (:mod:`trainstream_hf.quant.outliers`); that quantization is never kept or reused. The backward is the
             same.
     """
+    # Under torch.compile nothing is kept or reused: the compiled code writes a freed buffer's next contents into the
+    # same tensor object without a version bump (csrc/autograd/fp8_linear.cpp), which the reuse key cannot see.
+    reuse = reuse and not torch.compiler.is_compiling()
     return torch.ops.trainstream.fp8_linear.default(x, w, w_scale, reuse, w_t, outliers)
 
 
