@@ -204,3 +204,31 @@ def test_quantize_frozen_base_names_conv1d_projections_it_does_not_pack(tiny_gpt
                                          r"transformer\.h\.0\.attn\.c_attn\), which it does not pack"):
         quantize_frozen_base(model, "nf4")
     assert not _names(model, QuantLinear)
+
+
+def test_quantize_frozen_base_keeps_layers_too_narrow_for_the_format_and_says_so():
+    """wrap(quantize=...) has no skip list: a frozen layer whose in_features the format cannot take stays in its
+    dtype, named in a warning, and the rest are packed; a model with no layer the format takes is an error."""
+    import warnings
+
+    import pytest
+    import torch
+    from torch import nn
+
+    from trainstream_hf.quant import QuantLinear
+    from trainstream_hf.quant.model import quantize_frozen_base
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 160), nn.Linear(160, 64), nn.Linear(64, 8))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert quantize_frozen_base(model, "nf4") == ["0", "2"]
+    assert [type(m) for m in model] == [QuantLinear, nn.Linear, QuantLinear]
+    assert len(said) == 1 and "1 of 3 frozen linear layers stay in their dtype: nf4 needs in_features to be a " \
+        "multiple of 64, and theirs are not (1 (160)); int8 and fp8 take any width" in str(said[0].message)
+    narrow = nn.Sequential(nn.Linear(96, 64)).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no frozen linear layer of this model has one \(e.g. 0, in_features=96\)"):
+        quantize_frozen_base(narrow, "nf4")
+    assert type(narrow[0]) is nn.Linear

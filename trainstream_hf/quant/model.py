@@ -129,8 +129,11 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
         The qualified names of the layers packed by this call.
 
     Raises:
-        ValueError: no frozen linear layer, packed or not (a full fine-tune has nothing to pack); layers already
-            packed in another format or with other outliers.
+        ValueError: no frozen linear layer, packed or not (a full fine-tune has nothing to pack), or none whose width
+            the format takes; layers already packed in another format or with other outliers.
+
+    A frozen layer whose ``in_features`` the format cannot take (nf4 and nvfp4 pack blocks of 64 / 16 along it)
+    stays in its dtype, named in a warning (``quantize_model`` refuses the whole model instead).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     frozen, keep = [], []
@@ -155,5 +158,18 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
                              "quantize unset")
         raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
                          "layer trains): add PEFT LoRA adapters, or leave quantize unset")
-    quantize_model(model, quantize, outliers, skip=tuple(keep) + ("lm_head",), replaced=replaced)
+    fmt = get_format(quantize)
+    narrow = [n for n in frozen if model.get_submodule(n).in_features % fmt.in_features_multiple]
+    if narrow and len(narrow) == len(frozen):
+        raise ValueError(f"quantize={quantize!r}: {fmt.name} needs in_features to be a multiple of "
+                         f"{fmt.in_features_multiple}, and no frozen linear layer of this model has one (e.g. "
+                         f"{narrow[0]}, in_features={model.get_submodule(narrow[0]).in_features}): use int8 or fp8 "
+                         "(any width), or leave quantize unset")
+    if narrow:
+        warnings.warn(f"quantize={quantize!r}: {len(narrow)} of {len(frozen)} frozen linear layers stay in their dtype: "
+                      f"{fmt.name} needs in_features to be a multiple of {fmt.in_features_multiple}, and theirs are "
+                      f"not ({', '.join(f'{n} ({model.get_submodule(n).in_features})' for n in narrow[:3])}"
+                      f"{' ...' if len(narrow) > 3 else ''}); int8 and fp8 take any width", RuntimeWarning,
+                      stacklevel=3)
+    quantize_model(model, quantize, outliers, skip=tuple(keep) + tuple(narrow) + ("lm_head",), replaced=replaced)
     return [n for n in frozen if isinstance(model.get_submodule(n), QuantLinear)]
