@@ -668,6 +668,21 @@ def test_moving_casting_resizing_or_copying_a_wrapped_model_is_refused_until_unw
     assert isinstance(peft.merge_and_unload(), LlamaForCausalLM)
 
 
+def test_a_quantized_wrapped_model_cast_to_its_own_dtype_passes():
+    """A packed base's codes and scales (uint8, float8, float32) keep their dtype through a cast (QuantLinear._apply),
+    so model.to(the model's dtype) changes nothing and passes, as it does unwrapped; a real cast is still refused."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(_llama(), LoraConfig(r=4, target_modules="all-linear"))
+    peft, opt = ts.wrap(peft, torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad]), quantize="nf4",
+                        **FORCE)
+    assert any(p.dtype == torch.float8_e4m3fn for p in peft.parameters())  # nf4's quantized absmax
+    assert peft.to(torch.float32) is peft and peft.float() is peft
+    with pytest.raises(RuntimeError, match=r"moving or casting it \(torch.float32 on cpu -> torch.bfloat16 on cpu\)"):
+        peft.to(torch.bfloat16)
+    _train(peft, opt, 1)
+
+
 def test_a_misspelt_option_names_the_nearest_and_a_forced_offload_that_moves_nothing_says_so():
     with pytest.raises(TypeError, match=r"wrap: vram_budgt= is not an option \(did you mean vram_budget=\?\)"):
         ts.wrap(_llama(), None, vram_budgt="8GiB")

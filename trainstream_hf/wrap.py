@@ -49,6 +49,8 @@ from trainstream_hf.engine.streams import TransferStreams
 from trainstream_hf.engine.tiled import TiledMLP
 from trainstream_hf.engine.trace import Timeline
 from trainstream_hf.engine.weights import WeightPager, block_bytes, select_params
+from trainstream_hf.quant import matmul
+from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.quant.model import quantize_frozen_base
 
 __all__ = ["wrap", "unwrap", "plan", "Engine", "engine_of"]
@@ -572,9 +574,6 @@ def _compile_mode(option, blocks, device: torch.device):
 
 def _fp8_tensor_core_layers(blocks, device: torch.device) -> bool:
     """Whether any of ``blocks`` holds a quantized layer that runs the FP8 tensor-core path on ``device``."""
-    from trainstream_hf.quant import matmul
-    from trainstream_hf.quant.linear import QuantLinear
-
     if device.type != "cuda":
         return False
     return any(isinstance(m, QuantLinear) and m.matmul_path(device) is matmul.FP8_W8A8_SCALED_MM
@@ -896,13 +895,17 @@ def _set_instance_attr(obj, name: str, value, undo: contextlib.ExitStack) -> Non
 
 
 def _refuse_apply(module: nn.Module, original, fn, *args, **kwargs):
-    kinds = {(t.dtype, t.device) for t in itertools.chain(module.parameters(), module.buffers())}
+    # A QuantLinear's packed codes and scales keep their dtype through a cast (QuantLinear._apply): only a move
+    # changes them. So a model.to(its own dtype) passes, as it would unwrapped.
+    packed = {id(getattr(m, n)) for m in module.modules() if isinstance(m, QuantLinear) for n in m._packed_names}
+    kinds = {(t.dtype if id(t) not in packed else None, t.device)
+             for t in itertools.chain(module.parameters(), module.buffers())}
     for dtype, device in kinds:
-        probe = torch.empty(0, dtype=dtype, device=device)
+        probe = torch.empty(0, dtype=dtype or torch.uint8, device=device)  # uint8: no cast reaches it
         out = fn(probe)
-        if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != device:
+        if not isinstance(out, torch.Tensor) or out.dtype != probe.dtype or out.device != device:
             raise RuntimeError(
-                f"trainstream_hf: this model is wrapped, and moving or casting it ({dtype} on {device} -> "
+                f"trainstream_hf: this model is wrapped, and moving or casting it ({probe.dtype} on {device} -> "
                 f"{getattr(out, 'dtype', '?')} on {getattr(out, 'device', '?')}) would leave the engine's copies "
                 "behind; call trainstream_hf.unwrap(model) first, or move or cast it before wrap()")
     return original(fn, *args, **kwargs)
