@@ -402,6 +402,16 @@ def test_measure_head_is_cuda_only():
     assert _plan(model, head_bytes=12345).logits_bytes == 12345 != analytic
 
 
+def test_a_float32_copy_of_the_outputs_counts_at_the_end_of_the_forward_only():
+    """Accelerate's mixed precision copies the returned logits to float32 after the forward: the plan counts that copy
+    beside the logits (the end of the forward), not in the backward, where it is gone."""
+    model = _llama()
+    base, more = _plan(model, head_bytes=1000), _plan(model, head_bytes=1000, output_fp32_bytes=GiB)
+    assert more.logits_bytes == base.logits_bytes + GiB
+    (f0, b0, e0), (f1, b1, e1) = base._moments(), more._moments()
+    assert f1 == f0 + GiB and (b1, e1) == (b0, e0)
+
+
 def test_offloaded_blocks_are_spaced_by_their_copy_time():
     """Kept blocks form the tail; before them every s-th block is offloaded, s = how many block forwards one
     block's copy needs, and the rest are checkpointed. A faster copy (or slower forward) offloads more."""

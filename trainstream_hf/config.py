@@ -101,6 +101,11 @@ class TrainStreamConfig:
     batch_shape: tuple | None = field(default=None, metadata={
         "help": "(batch, sequence length) of one micro-batch, for the plan's activation estimate; default "
                 "(1, min(2048, max_position_embeddings))."})
+    fp32_outputs: bool = field(default=False, metadata={
+        "help": "The forward's floating-point outputs are copied to float32 after it returns (Accelerate's mixed "
+                "precision does this): the plan counts the logits' float32 copy at the end of the forward (1 GiB for "
+                "a 128k vocabulary at 2048 tokens). The Trainer integrations and TrainStreamAccelerator set it "
+                "under bf16 / fp16."})
     gradient_accumulation_steps: int = field(default=1, metadata={
         "help": "Micro-batches per optimizer step, for the plan: from the second on, each forward runs beside the "
                 "gradients the earlier ones left on the device until step(). The Trainer integration takes the "

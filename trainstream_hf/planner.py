@@ -774,7 +774,8 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
          optimizer_resident="auto", optimizer_streamed="auto", cpu_adam_pps: float | None = None,
          device_chunk_numel: int = DEFAULT_CHUNK_NUMEL, host_budget: int | None = None,
          optimizer_moments: str = "float32", accumulation: int = 1, optimizer_in_backward: bool = False,
-         host_embedding: nn.Module | None = None, backward_extra_bytes: int | None = None) -> Plan:
+         host_embedding: nn.Module | None = None, backward_extra_bytes: int | None = None,
+         output_fp32_bytes: int = 0) -> Plan:
     """Decides placements for a VRAM budget (see the module docstring for the order).
 
     Args:
@@ -798,6 +799,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
             ``GradientCheckpointingLayer`` blocks can be recomputed.
         head_bytes: peak bytes of the head (norm, LM head, loss and their backward), measured (see
             :func:`measure_head`); None: ``tokens x vocab x (dtype + 8)``.
+        output_fp32_bytes: bytes of the float32 copy of the forward's outputs made after it returns (Accelerate's
+            mixed precision: the logits, ``tokens x vocab x 4``), counted beside the logits at the end of the
+            forward.
         activation_sizes: bytes of each of one block's saved tensors (``BlockMeasure.saved_sizes``); with
             ``min_activation_bytes`` (the activation offloader keeps smaller ones on the device) it tells whether
             offloading a block's activations moves anything. None: unknown, assumed to.
@@ -877,6 +881,7 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
                                      unpaged_bytes=_numel_bytes(p for p in params if id(p) not in paged_ids)))
     # Logits in the compute dtype, their fp32 upcast in the loss and its gradient.
     logits = tokens * vocab * (act_dtype_bytes + 4 + 4) if head_bytes is None else int(head_bytes)
+    logits += int(output_fp32_bytes)
     hosted = {id(p) for p in host_embedding.parameters()} if host_embedding is not None else set()
     nonblock_w = _numel_bytes(p for n, p in named if id(p) not in block_ids and id(p) not in hosted)
 

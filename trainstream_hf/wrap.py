@@ -572,6 +572,16 @@ def _compile_mode(option, blocks, device: torch.device):
     return mode
 
 
+def _vocab(model: nn.Module) -> int:
+    """The width of the model's logits: its output embedding's rows, else ``config.vocab_size`` (0: neither)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(getattr(getattr(base, "config", None), "vocab_size", 0) or 0)
+
+
 def _fp8_tensor_core_layers(blocks, device: torch.device) -> bool:
     """Whether any of ``blocks`` holds a quantized layer that runs the FP8 tensor-core path on ``device``."""
     if device.type != "cuda":
@@ -621,6 +631,11 @@ def _make_plan(s: _Setup) -> planner.Plan:
     for b, home in zip(blocks, homes):
         if home != {device}:
             b.to(next(iter(home)) if len(home) == 1 else "cpu")
+    # Accelerate's mixed precision copies the returned logits to float32 after the forward (at 2048 tokens and a 128k
+    # vocabulary 1 GiB beside the forward's peak): the 70B nf4 recipe ran out of memory there when it went uncounted.
+    fp32_copy = 0
+    if s.config.fp32_outputs and not (s.fused_head is not None and s.fused_head.active_for(tokens)):
+        fp32_copy = tokens * _vocab(model) * 4
 
     cpu_adam_pps = None
     if device.type == "cuda" and s.has_optimizer and config.offload_optimizer is not False and \
@@ -654,7 +669,7 @@ def _make_plan(s: _Setup) -> planner.Plan:
             cpu_adam_pps=cpu_adam_pps, host_budget=host_budget, optimizer_moments=config.optimizer_moments,
             accumulation=config.gradient_accumulation_steps, optimizer_in_backward=config.optimizer_in_backward,
             host_embedding=host_embedding if host_embedding is not None else s.host_embedding,
-            backward_extra_bytes=None if m is None else m.backward_extra)
+            backward_extra_bytes=None if m is None else m.backward_extra, output_fp32_bytes=fp32_copy)
 
     # The input embedding that may go to pinned host RAM (host_embedding; engine/embedding.py), where 'auto' takes it
     # when memory is short: the plan does not fit, or moves anything else off the device.

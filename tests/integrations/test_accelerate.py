@@ -74,12 +74,22 @@ def test_the_block_is_measured_in_the_prepared_forwards_precision(monkeypatch, p
         return measure(*args, **kwargs)
 
     monkeypatch.setattr(planner, "measure_block", spy)
+    planned, make = [], planner.plan
+
+    def plan_spy(*args, **kwargs):
+        planned.append((kwargs["batch_shape"], kwargs["output_fp32_bytes"]))
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", plan_spy)
     AcceleratorState._reset_state(reset_partial_state=True)  # the process's state holds one mixed precision
     plugin = TrainStreamPlugin("on", TrainStreamConfig(vram_budget="64GiB"))
     acc = TrainStreamAccelerator(cpu=True, mixed_precision=precision, trainstream_plugin=plugin)
     model = _model()
     acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert seen and set(seen) == {dtype} and not torch.is_autocast_enabled("cpu")
+    # prepare() then makes the forward return its float outputs in float32: the plan counts the logits' copy
+    (b, t), fp32_copy = planned[-1]
+    assert fp32_copy == (b * t * model.config.vocab_size * 4 if dtype is not None else 0)
     acc.end_training()
     AcceleratorState._reset_state(reset_partial_state=True)
 

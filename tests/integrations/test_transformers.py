@@ -184,11 +184,21 @@ def test_the_block_is_measured_in_the_trainers_precision(tmp_path, monkeypatch, 
         return measure(*args, **kwargs)
 
     monkeypatch.setattr(planner, "measure_block", spy)
+    planned, make = [], planner.plan
+
+    def plan_spy(*args, **kwargs):
+        planned.append((kwargs["batch_shape"], kwargs["output_fp32_bytes"]))
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", plan_spy)
     model = _model()
     args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",
                                         bf16=bf16, **COMMON)
     TrainStreamTrainer(model=model, args=args, train_dataset=_data()).create_optimizer()
     assert seen and set(seen) == {torch.bfloat16 if bf16 else None} and not torch.is_autocast_enabled("cpu")
+    # and with mixed precision Accelerate returns the logits in float32 too: the plan counts that copy
+    (b, t), fp32_copy = planned[-1]
+    assert fp32_copy == (b * t * model.config.vocab_size * 4 if bf16 else 0)
     ts.unwrap(model)
 
 

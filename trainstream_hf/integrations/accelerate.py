@@ -105,7 +105,9 @@ class TrainStreamAccelerator(Accelerator):
                 # Accelerate's cpu device is "cpu:0", which parameters never report; the engine compares devices.
                 config = replace(config, device="cpu" if self.device.type == "cpu" else str(self.device))
             config = replace(config, gradient_accumulation_steps=runner_accumulation(  # Accelerate's micro-batches
-                config.gradient_accumulation_steps, self.gradient_accumulation_steps, "Accelerate's"))
+                config.gradient_accumulation_steps, self.gradient_accumulation_steps, "Accelerate's"),
+                # mixed precision: prepare() makes the forward return its float outputs in float32 (the logits' copy)
+                fp32_outputs=config.fp32_outputs or bool(getattr(self, "native_amp", False)))
             with self.autocast():  # the block measured as the prepared forward runs it (mixed precision)
                 _, new_opt = wrap(model, inner, config)
             if oi is not None and new_opt is not inner:

@@ -180,8 +180,11 @@ class TrainStreamCallback(TrainerCallback):
                                                      2048) or 2048)
         accumulation = runner_accumulation(self.config.gradient_accumulation_steps,
                                      getattr(args, "gradient_accumulation_steps", 1), "the Trainer's")
+        # bf16 / fp16: Accelerate's mixed precision returns the forward's float outputs in float32 (the logits' copy)
+        mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
         cfg = TrainStreamConfig(**{**self.config.to_dict(), "batch_shape": tuple(int(x) for x in shape),
-                                   "gradient_accumulation_steps": accumulation})
+                                   "gradient_accumulation_steps": accumulation,
+                                   "fp32_outputs": self.config.fp32_outputs or mixed})
         if cfg.device is None and torch.device(args.device).type != "cpu" and any(
                 p.device != torch.device(args.device) for p in model.parameters()):
             cfg = replace(cfg, device=str(args.device))
