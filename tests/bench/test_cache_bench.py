@@ -29,7 +29,9 @@ def test_every_row_decodes_the_dynamic_caches_tokens_and_paged_rows_get_a_floor(
     for name in ("ts_1.0", "ts_0.5", "ts_0.0"):  # no bandwidth on the CPU: the floor is the compute step
         assert rows[name]["floor_ms"] == rows["dynamic"]["step_ms"]
         assert rows[name]["vs_floor"] == pytest.approx(rows[name]["step_ms"] / rows["dynamic"]["step_ms"])
-    assert rows["ts_0.0"]["cache_stats"]["h2d_bytes"] > 0 and rows["ts_1.0"]["cache_stats"]["h2d_bytes"] == 0
+    # the offloaded layers' K/V went to host pages (their device slots hold both of tiny's layers: nothing comes back)
+    assert rows["ts_0.0"]["cache_stats"]["d2h_bytes"] > 0
+    assert rows["ts_1.0"]["cache_stats"]["h2d_bytes"] == rows["ts_1.0"]["cache_stats"]["d2h_bytes"] == 0
     assert "| 2 x 32, 8 new | ts_0.5 | ok |" in capsys.readouterr().out
     for name in ("dynamic", "ts_1.0", "ts_0.5", "ts_0.0"):  # where memory stood (no device figures on the CPU)
         r = rows[name]
@@ -76,7 +78,7 @@ def test_a_row_in_a_child_process_returns_its_tokens_and_memory_figures():
     (r,) = payload["results"]
     here = cache.run_row("dynamic", shape="tiny", batch=2, prompt=32, new=8, repeats=1)
     assert r["status"] == "ok" and r["tokens"] == here["tokens"]  # the child built the same weights and prompts
-    assert r["offloaded_layers"] == model_config("tiny").num_hidden_layers and r["cache_stats"]["h2d_bytes"] > 0
+    assert r["offloaded_layers"] == model_config("tiny").num_hidden_layers and r["cache_stats"]["d2h_bytes"] > 0
     assert {k: r[k] for k in DEVICE_FIGURES} == dict.fromkeys(DEVICE_FIGURES) and r["stage"] == "done"
     assert r["host_available_at_start"] > 0 and r["host_available_after_model"] > 0 and r["wall_s"] > 0
     assert "log_tail" not in r and partial == [payload] and json.loads(json.dumps(payload)) == payload
@@ -126,3 +128,26 @@ def test_a_row_timeout_that_is_no_time_is_refused_in_one_line(suite, capsys):
     with pytest.raises(SystemExit):
         main([suite, "--quick", "--row-timeout", "0"])
     assert "--row-timeout 0: give the seconds a row's process may run (> 0)" in capsys.readouterr().err
+
+
+def test_rows_decode_one_token_a_step_through_their_cache():
+    """The bench models are built for training (use_cache=False), where generate() feeds the whole sequence at every
+    step and a given cache takes it all again (attention over duplicated keys). A row's model decodes one token a
+    step: the cache ends holding the prompt and the new tokens but the last, once each."""
+    import torch
+    from transformers import DynamicCache
+
+    from trainstream_hf.bench.models import build_model
+
+    model = cache.for_generation(build_model("tiny", torch.float32, "cpu", seed=0))
+    seen, forward = [], model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    kv = DynamicCache(config=model.config)
+    tokens, _ = cache._generate(model, ids, 4, kv)
+    assert seen == [16, 1, 1, 1] and kv.get_seq_length() == 16 + 3 and tokens.shape == (2, 4)

@@ -141,6 +141,18 @@ def measure_row(row: str, model, ids: torch.Tensor, new: int, repeats: int) -> d
     return out
 
 
+def for_generation(model):
+    """``model`` (a bench model: built for training, ``use_cache=False``) set up to decode as the suite measures it:
+    eval mode, the cache on (with ``use_cache=False`` ``generate`` feeds the whole sequence at every step and the
+    given cache takes it all again: each step a full forward over attention to duplicated keys), and no end-of-text
+    token (random weights: every row decodes every step)."""
+    model.eval()
+    model.config.use_cache = True
+    model.generation_config.use_cache = True
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def memory_now(when: str, device: torch.device) -> dict:
     """``device_free_<when>`` and ``device_total`` (``torch.cuda.mem_get_info``, None off CUDA) and
     ``host_available_<when>`` (:func:`~trainstream_hf.engine.arena.host_memory_available`), in bytes."""
@@ -171,8 +183,7 @@ def run_row(row: str, *, shape: str, batch: int, prompt: int, new: int, repeats:
     report(out)
     model = None
     try:
-        model = build_model(shape, torch.bfloat16, dev, seed=0).eval()
-        model.generation_config.eos_token_id = None  # random weights: every row decodes every step
+        model = for_generation(build_model(shape, torch.bfloat16, dev, seed=0))
         out.update(memory_now("after_model", dev), stage="warm-up",
                    device_allocated_after_model=torch.cuda.memory_allocated(dev) if cuda else None)
         report(out)
