@@ -294,3 +294,20 @@ def test_resident_layers_are_head_major_offloaded_pages_token_major():
             else:
                 assert layer.k.is_contiguous() and layer.k[0:5].is_contiguous()  # token-major host page
     assert sum(layer.resident for layer in cache.layers) == LAYERS // 2
+
+
+def test_a_whole_sequence_given_again_warns_that_use_cache_is_off():
+    """With use_cache off (model.config.use_cache=False, as training scripts often leave it) generate() feeds the whole
+    sequence at every step and a given cache takes it all again: the output is wrong, and the cache says so once."""
+    model = _model("llama")
+    ids, mask = _prompt()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _generate(model, ids, mask, TrainStreamCache(model, resident=0.5), new=3)
+    assert not [w for w in said if "whole sequence" in str(w.message)]
+    model.config.use_cache = model.generation_config.use_cache = False
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _generate(model, ids, mask, TrainStreamCache(model, resident=0.5), new=3)
+    refed = [str(w.message) for w in said if "whole sequence" in str(w.message)]
+    assert len(refed) == 1 and "holds 7 tokens and is given 8" in refed[0] and "use_cache=True" in refed[0]

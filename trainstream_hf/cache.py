@@ -39,6 +39,7 @@ import bisect
 import functools
 import inspect
 import math
+import warnings
 
 import torch
 from transformers import PreTrainedConfig
@@ -301,6 +302,7 @@ class PagedKVCache(Cache):
         self._d2h_event = None  # last D2H copy; FIFO stream, so it covers all earlier ones
         self._slot_read: list = []  # per slot: the last D2H copy that reads it (None: none, or done)
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, loads_ahead=0, loads_on_demand=0, growths=0)
+        self._refeed_warned = False  # update(): the whole sequence given again (generate() with use_cache off)
 
     # -- transformers Cache API -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -329,6 +331,15 @@ class PagedKVCache(Cache):
                 return layer.k_hm, layer.v_hm
             return self._update_offloaded_static(layer_idx, key_states, value_states)
         q, n = key_states.shape[-2], layer.length
+        if n and q == n + 1 and not self._refeed_warned:
+            # generate() with use_cache off (model.config.use_cache=False, as many training scripts leave it) feeds
+            # the whole sequence at every step, and a cache it was given takes all of it again: every later token
+            # then attends to each earlier one twice, at shifted positions.
+            self._refeed_warned = True
+            warnings.warn(f"PagedKVCache: layer {layer_idx} holds {n} tokens and is given {q}, the whole sequence "
+                          "again: generate() does this when use_cache is off (model.config.use_cache=False), and the "
+                          "output is then wrong; set model.generation_config.use_cache = True or pass use_cache=True "
+                          "to generate()", RuntimeWarning, stacklevel=2)
         if n + q > self.capacity:
             self._grow(n + q)
         with torch.no_grad():

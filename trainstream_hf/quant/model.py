@@ -166,9 +166,9 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
                          f"{narrow[0]}, in_features={model.get_submodule(narrow[0]).in_features}): use int8 or fp8 "
                          "(any width), or leave quantize unset")
     if narrow:
-        warnings.warn(f"quantize={quantize!r}: {len(narrow)} of {len(frozen)} frozen linear layers stay in their dtype: "
-                      f"{fmt.name} needs in_features to be a multiple of {fmt.in_features_multiple}, and theirs are "
-                      f"not ({', '.join(f'{n} ({model.get_submodule(n).in_features})' for n in narrow[:3])}"
+        warnings.warn(f"quantize={quantize!r}: {len(narrow)} of {len(frozen)} frozen linear layers stay in their "
+                      f"dtype: {fmt.name} needs in_features to be a multiple of {fmt.in_features_multiple}, and "
+                      f"theirs are not ({', '.join(f'{n} ({model.get_submodule(n).in_features})' for n in narrow[:3])}"
                       f"{' ...' if len(narrow) > 3 else ''}); int8 and fp8 take any width", RuntimeWarning,
                       stacklevel=3)
     quantize_model(model, quantize, outliers, skip=tuple(keep) + tuple(narrow) + ("lm_head",), replaced=replaced)
