@@ -20,6 +20,8 @@ weights differently shows there, one that trains differently only in its curve.
   fp8_wrap      the default path under the engine (wrap with the table's 24 GiB budget)
   fp8_compiled  the same with compile_blocks=True
   fp8_compiled_peft  fp8_compiled with PEFT's own LoRA forward (no fused adapter op in the compiled blocks)
+  fp8_compiled_aot  compiled by dynamo and AOTAutograd without inductor (compile_blocks='aot_eager'): follows eager
+                if inductor's generated code is what differs, else the tracing does
 
 The FP8 GEMM's plans (cuBLASLt's algorithm per shape and operand alignment) are printed and kept in the JSON, so
 a compiled call that got an algorithm of its own (another alignment of an operand) would show there.
@@ -37,7 +39,8 @@ import tempfile
 import torch
 
 VARIANTS = ("bf16", "nf4", "fp8", "fp8_emulated", "fp8_dequant", "fp8_peft", "fp8_noreuse", "fp8_wrap",
-            "fp8_compiled", "fp8_compiled_peft")
+            "fp8_compiled", "fp8_compiled_peft", "fp8_compiled_aot")
+ENGINE = ("fp8_wrap", "fp8_compiled", "fp8_compiled_peft", "fp8_compiled_aot")  # the variants wrapped by the engine
 
 
 @contextlib.contextmanager
@@ -109,9 +112,10 @@ def run(shape="llama3.1-8b", layers=None, steps=6, tokens=2048, device=None, sma
                                  alpha=LORA["lora_alpha"], dropout=LORA["lora_dropout"],
                                  target_modules=LORA["target_modules"])
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
-                if v in ("fp8_wrap", "fp8_compiled", "fp8_compiled_peft"):
+                if v in ENGINE:
+                    compiled = "aot_eager" if v == "fp8_compiled_aot" else v.startswith("fp8_compiled")
                     model, opt = ts.wrap(model, opt, vram_budget="24GiB" if cuda else "8GiB",
-                                         batch_shape=(1, tokens), compile_blocks=v.startswith("fp8_compiled"))
+                                         batch_shape=(1, tokens), compile_blocks=compiled)
                 start = _lora_state(model)
                 losses, norms = [], []
                 for _ in range(steps):
@@ -138,7 +142,7 @@ def run(shape="llama3.1-8b", layers=None, steps=6, tokens=2048, device=None, sma
                 opt.zero_grad(set_to_none=True)
                 runs[v] = {"losses": losses, "grad_norms": norms, "update_norm": update,
                            "loss_at_bf16_adapters": same_weights, "train_loss_at_bf16_adapters": float(train_same)}
-                if v in ("fp8_wrap", "fp8_compiled", "fp8_compiled_peft"):
+                if v in ENGINE:
                     ts.unwrap(model)
                 del model, opt
                 if cuda:

@@ -53,7 +53,7 @@ for s in "$@"; do case $s in
       run 300 compiled_fp8_curve python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 4 --steps 4 \
       --variants bf16,fp8_wrap,fp8_compiled --out "$OUT/fp8-compiled-curve-$GPU-$SHA.json" ;;  # compiled vs eager
   fp8_gemm_diag) run 150 fp8_gemm_diag python3 scripts/fp8_curve_diag.py --shape llama3.1-8b --layers 4 --steps 4 \
-      --variants bf16,fp8_wrap,fp8_compiled,fp8_compiled_peft --out "$OUT/fp8-gemm-diag-$GPU-$SHA.json"
+      --variants bf16,fp8_wrap,fp8_compiled,fp8_compiled_peft,fp8_compiled_aot --out "$OUT/fp8-gemm-diag-$GPU-$SHA.json"
       TRAINSTREAM_FP8_GEMM=torch run 120 fp8_gemm_diag_torch python3 scripts/fp8_curve_diag.py --shape llama3.1-8b \
       --layers 4 --steps 4 --variants bf16,fp8_wrap,fp8_compiled --out "$OUT/fp8-gemm-diag-torch-$GPU-$SHA.json" ;;
   plan_tests) run 240 plan_tests python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_plan_cuda.py ;;  # peaks

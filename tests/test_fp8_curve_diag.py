@@ -16,7 +16,7 @@ def test_every_variant_trains_from_the_same_start_and_is_evaluated_at_the_same_a
 
     # the tensor-core path (ops.fp8_linear, its CPU kernel), as sm_89+ GPUs take it by default
     monkeypatch.setitem(matmul.ACT_QUANT_FORMATS, "fp8", matmul.FP8_W8A8_SCALED_MM)
-    variants = ["fp8", "fp8_emulated", "fp8_peft", "fp8_noreuse", "fp8_wrap"]
+    variants = ["fp8", "fp8_emulated", "fp8_peft", "fp8_noreuse", "fp8_wrap", "fp8_compiled_aot"]
     result = diag.run(small=True, steps=3, tokens=32, device="cpu", variants=variants)
     runs = result["runs"]
     assert list(runs) == ["bf16", *variants]  # the reference first, whatever the order asked
