@@ -317,12 +317,12 @@ LOG_LINES = 20  # a failed child's last lines of output kept in its row
 
 
 def run_child(command: Callable[[str], list[str]], timeout: Optional[float], *, env: Optional[dict] = None) -> dict:
-    """``command(out)`` (a child that writes its result to the JSON file ``out``) in a process of its own, with
-    ``env`` (None: this one's): what it wrote to ``out`` last (a child may
-    write its result as it goes, whole each time), with the status ``crashed (exit N): <its last line>`` (or
-    ``signal N``) where it died or ended without a finished result (no status, or ``running``), ``timeout after N
-    s`` where it outlived ``timeout`` seconds (None: no limit), ``log_tail`` (its last lines of output) where the
-    status is not ``ok``, and ``wall_s``. Every suite's rows run through this one runner."""
+    """Runs ``command(out)``, a child that writes its result to the JSON file ``out``, in a process of its own with
+    ``env`` (None: this one's). Returns what it wrote to ``out`` last (a child may write its result as it goes, whole
+    each time), with the status ``crashed (exit N): <its last line>`` (or ``signal N``) where it died or ended without
+    a finished result (no status, or ``running``), ``timeout after N s`` where it outlived ``timeout`` seconds (None:
+    no limit), ``log_tail`` (its last lines of output) where the status is not ``ok``, and ``wall_s``. Every suite's
+    rows run through this one runner."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="trainstream-bench-") as tmp:
         out, log = os.path.join(tmp, "result.json"), os.path.join(tmp, "output.txt")
