@@ -14,11 +14,14 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <type_traits>
 #include <utility>
 #include <string>
 #include <vector>
+
+#include "../include/trainstream.h"
 
 namespace trainstream {
 namespace {
@@ -132,6 +135,28 @@ at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c
 // error against float64). Adding t in float32 instead would cost a (tokens, out_features) float32 pass per layer.
 // ---------------------------------------------------------------------------------------------------------------
 
+// Whether s is a power of two: a product scaled by it is exact in any floating dtype (barring overflow).
+bool power_of_two(double s) {
+  int exponent = 0;
+  return s > 0 && std::frexp(s, &exponent) == 0.5;
+}
+
+// y + s (a @ b), in y's place. Run eagerly: one addmm_, the product accumulated by the GEMM (beta = 1). Traced by
+// torch.compile, an in-place addmm_ is functionalized into addmm(y, a, b), which copies y into a new tensor before
+// its GEMM: a device-to-device copy of a (tokens, features) tensor per call, two per adapter a step (673 copies, 10.3
+// ms of an 8B step on the H100: the profile in table-llama3.1-8b-at-ckpt-peak-h100-46a4ce7.json), and inductor keeps
+// a bf16 addmm fused. There, on CUDA and for a power-of-two s, the sum is a product and an add, s folded into b
+// (exact), which inductor leaves unfused when the sum feeds pointwise kernels (it fuses the add into them) and
+// otherwise fuses into an addmm again: either way the value of the eager addmm_ on CUDA, bf16(y + bf16(s a b)) (the
+// header). Not on the CPU, whose addmm_ rounds once. Never add(..., alpha): inductor (torch 2.13) fuses add(y, mm(a,
+// b), alpha=s) into addmm(y, a, b) without the alpha (benchmarks/NOTES.md, 2026-12-07).
+at::Tensor add_product(at::Tensor y, const at::Tensor& a, const at::Tensor& b, double s) {
+  if (y.is_cuda() && (traced(y) || traced(a)) && power_of_two(s)) {
+    return at::add(y, at::mm(a, s == 1.0 ? b : b.mul(s)));
+  }
+  return y.addmm_(a, b, /*beta=*/1, s);
+}
+
 at::ScalarType lora_compute_dtype(const at::Tensor& x) {
   const auto device = x.device().type();
   return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
@@ -207,8 +232,8 @@ LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const 
     at::Tensor y2d = at::mm(f.x2d, w.t());
     // y += s (x A^T) B^T: terms h0 b0, h0 b1, h0 b2, h1 b0, h2 b0, h1 b1. On CUDA the bf16 addmm_ rounds s h B^T to
     // bf16 before adding it to y (see the header).
-    y2d.addmm_(split_parts(f.ya, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t(), /*beta=*/1,
-               /*alpha=*/scaling);
+    y2d = add_product(y2d, split_parts(f.ya, {0, 0, 0, 1, 2, 1}, 1), split_parts(lora_b, {0, 1, 2, 0, 0, 1}, 1).t(),
+                      scaling);
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = w.size(0);
     f.y = y2d.view(sizes);
@@ -219,7 +244,7 @@ LoraForward lora_forward_impl(const at::Tensor& x, at::TensorList packed, const 
   f.b = lora_b.scalar_type() == c ? lora_b : lora_b.to(c);
   f.ya = at::mm(f.x2d, f.a.t());
   at::Tensor y2d = at::mm(f.x2d, w.t());
-  y2d.addmm_(f.ya, f.b.t(), /*beta=*/1, /*alpha=*/scaling);
+  y2d = add_product(y2d, f.ya, f.b.t(), scaling);
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = w.size(0);
   f.y = y2d.view(sizes);
@@ -273,7 +298,7 @@ class LoraDequantLinearFunction : public torch::autograd::Function<LoraDequantLi
       if (ctx->needs_input_grad(0)) {
         const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), packed, c);
         at::Tensor dx = at::mm(g2d, w);
-        dx.addmm_(g6, split_parts(a, {0, 0, 0, 1, 2, 1}, 0));  // terms g0 a0, g1 a0, g2 a0, g0 a1, g0 a2, g1 a1
+        dx = add_product(dx, g6, split_parts(a, {0, 0, 0, 1, 2, 1}, 0), 1);  // g0 a0, g1 a0, g2 a0, g0 a1, g0 a2, g1 a1
         out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
       }
       return out;
@@ -286,7 +311,7 @@ class LoraDequantLinearFunction : public torch::autograd::Function<LoraDequantLi
     if (ctx->needs_input_grad(0)) {
       const at::Tensor w = decode(ctx->saved_data["fmt"].toStringRef(), packed, c);
       at::Tensor dx = at::mm(g2d, w);
-      dx.addmm_(g_ya, a);
+      dx = add_product(dx, g_ya, a, 1);
       out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector()).to(static_cast<at::ScalarType>(dtypes[0]));
     }
     return out;

@@ -375,8 +375,6 @@ at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at:
   return scaled_mm_rowwise(gq, wt, sg, ones, dy.scalar_type());
 }
 
-namespace {
-
 // On the tensors torch.compile traces with (FakeTensor, FunctionalTensor: no data) the node calls the op itself and
 // its input gradient through the dispatcher, below autograd, which gives the registered fake kernels: a compiled
 // region holds the op whole (the kernels read data pointers: alignment, the kept quantization's key). On real
@@ -385,6 +383,8 @@ bool traced(const at::Tensor& t) {
   return t.defined() &&
          t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
+
+namespace {
 
 using Fp8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
                                const std::optional<at::Tensor>&, int64_t);
