@@ -427,3 +427,33 @@ def test_peft_lora_over_a_bf16_base_compiles():
     assert g0.keys() == g1.keys() and g0
     for n in g0:
         assert (g0[n] - g1[n]).abs().max().item() <= 0.05 * g0[n].abs().max().item(), n
+
+
+def test_a_rebuilt_extension_gets_graphs_of_its_own_from_the_compile_caches(tmp_path, monkeypatch):
+    """torch.compile's caches treat this package's ops as cache-safe and a compiled block holds them whole at dynamo's
+    level, so a rebuilt extension whose C++ nodes trace to other ATen ops would be served the graphs compiled before.
+    The compiled blocks put the extension's build into the keys: the same build hits, another one misses."""
+    from torch._dynamo.utils import counters
+
+    from trainstream_hf.engine import compiled as compiled_blocks
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    ids = _batches(1)[0]
+
+    def hits(build: str) -> int:
+        monkeypatch.setattr(compiled_blocks, "build_identity", lambda: build)
+        torch._dynamo.reset()
+        counters.clear()
+        m = _lora_over("nf4", 1)  # one block: one graph to compile
+        m, _ = ts.wrap(m, None, device="cpu", vram_budget="8GiB", host_arena=None, compile_blocks=True,
+                       batch_shape=tuple(ids.shape))
+        m(input_ids=ids, labels=ids).loss.backward()
+        ts.unwrap(m)
+        # the AOTAutograd cache: keyed on dynamo's graph, where this package's ops are whole (inductor's own cache is
+        # keyed on the traced graph's code, which a changed C++ node changes anyway)
+        return counters["aot_autograd"]["autograd_cache_hit"]
+
+    with torch._inductor.config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+        assert hits("build 1") == 0
+        assert hits("build 1") > 0
+        assert hits("build 2") == 0

@@ -12,7 +12,9 @@ of varying lengths compiles a few times, not once per length. wrap installs it b
 the plan counts what the compiled region saves (30-40% less than the eager block on the CPU's tiny Llamas): the
 measurement compiles for the plan's batch shape in training mode, and the first training step reuses that code when
 it runs the same shape without autocast (with autocast it compiles again, under the loop's own mode). The region runs
-without common-subexpression elimination across the joint graph (:func:`_compiled_forward` says why).
+without common-subexpression elimination across the joint graph (:func:`_compiled_forward` says why), and with the
+native extension's build in torch.compile's cache keys (:func:`_build_pass`): a rebuilt extension is never served the
+graphs traced through the C++ nodes of the build before.
 
 Only training calls (``training`` and grad mode on) run compiled; generation and evaluation run the eager forward.
 With ``compile_blocks='auto'`` (on CUDA with Triton) a first compilation that fails warns once and leaves the blocks
@@ -32,6 +34,7 @@ rounding only (measured on the CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -77,6 +80,56 @@ def drop_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return args
 
 
+@functools.lru_cache(maxsize=None)
+def build_identity() -> str:
+    """The native extension's build, as torch.compile's caches should see it: the package version and the loaded
+    library's size and modification time."""
+    import os
+
+    import trainstream_hf
+    from trainstream_hf import _C
+
+    st = os.stat(_C.__file__)
+    return f"trainstream_hf {trainstream_hf.__version__} {st.st_size} {st.st_mtime_ns}"
+
+
+@functools.lru_cache(maxsize=None)
+def _build_pass():
+    """A post-grad pass that does nothing and whose ``uuid`` is :func:`build_identity`, or None where this torch has no
+    custom-pass API. torch.compile's caches (FX graph, AOTAutograd: /tmp/torchinductor_<user>) treat every op as
+    cache-safe, and a compiled block's graph holds this package's ops whole at dynamo's level, so a process with a
+    rebuilt extension whose C++ nodes trace to other ATen ops would get the graph compiled before (same key: seen on
+    the CPU, benchmarks/NOTES.md, 2026-12-07). Inductor hashes a custom pass's uuid into those keys."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # pragma: no cover - a torch without it
+        return None
+
+    class BuildKey(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return build_identity()
+
+    return BuildKey()
+
+
+def _compile_settings():
+    """The settings every compiled call runs under: no common-subexpression elimination (:func:`_compiled_forward`
+    says why) and, where the user set no post-grad pre-pass of their own, :func:`_build_pass` in inductor's cache
+    keys."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._functorch.config.patch(cse=False))
+    import torch._inductor.config as inductor_config
+
+    if getattr(inductor_config, "post_grad_custom_pre_pass", False) is None:
+        build = _build_pass()
+        if build is not None:
+            stack.enter_context(inductor_config.patch(post_grad_custom_pre_pass=build))
+    return stack
+
+
 def _compiled_forward(owner: "CompiledBlocks", layer: nn.Module, eager, compiled, *args, **kwargs):
     # Training calls only: one compiled graph serves every block because a training call carries no per-layer state
     # (no cache). A call that writes a cache (generate(), evaluation) would reach a guard per layer and recompile
@@ -90,7 +143,7 @@ def _compiled_forward(owner: "CompiledBlocks", layer: nn.Module, eager, compiled
     # 66d2b61, benchmarks/NOTES.md); without it the region saves less than eager does.
     if owner.fallback and not owner.compiled_once:
         try:
-            with torch._functorch.config.patch(cse=False):
+            with _compile_settings():
                 out = compiled(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to compile: eager from now on, said once
             owner.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -100,7 +153,7 @@ def _compiled_forward(owner: "CompiledBlocks", layer: nn.Module, eager, compiled
             return eager(*args, **kwargs)
         owner.compiled_once = True
         return out
-    with torch._functorch.config.patch(cse=False):
+    with _compile_settings():
         return compiled(*args, **kwargs)
 
 
