@@ -96,12 +96,15 @@ class BlockPlan:
         """Bytes of this block's weights that live in host RAM once it is paged (the rest stays on the device)."""
         return self.weight_bytes if self.paged_bytes is None else self.paged_bytes
 
+    def h2d_bytes(self) -> int:
+        """Bytes this block sends up the link per step because of its placement: paged weights twice (forward,
+        backward), activations in host RAM once (fetched for backward)."""
+        return (2 * self.host_weight_bytes() if self.weights == "host" else 0) + self.host_activation_bytes()
+
     def pcie_bytes(self) -> int:
-        """Bytes this block moves per step over PCIe because of its placement (not counting optimizer)."""
-        n = 0
-        if self.weights == "host":
-            n += 2 * self.host_weight_bytes()  # up for forward, up again for backward
-        return n + 2 * self.host_activation_bytes()  # down in forward, up in backward
+        """Bytes this block moves per step over PCIe because of its placement (not counting optimizer): what it
+        sends up, and its activations' copy down in forward."""
+        return self.h2d_bytes() + self.host_activation_bytes()
 
     def host_activation_bytes(self) -> int:
         """Bytes of this block's saved tensors that wait in host RAM (all of them, its input, or none)."""
@@ -709,7 +712,7 @@ def _h2d_bytes(pl: Plan) -> int:
     """Bytes a step sends up the link for its blocks: paged weights twice (forward, backward), offloaded activations
     once (fetched for backward). The copies down (activations in forward) take the link's other direction, which
     carries nothing else while weights are paged, so a paged step's copies take at least this over the H2D rate."""
-    return sum(2 * b.host_weight_bytes() * (b.weights == "host") + b.host_activation_bytes() for b in pl.blocks)
+    return sum(b.h2d_bytes() for b in pl.blocks)
 
 
 def _warn_unpaged(blocks: Sequence[nn.Module], block_plans: list[BlockPlan], min_offload_numel: int) -> None:

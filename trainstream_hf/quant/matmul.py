@@ -350,9 +350,9 @@ def _fp8_scaled_mm_layer(x: torch.Tensor, q: QuantizedTensor, w_t: torch.Tensor 
     if not _scaled_mm_ok(x.dtype, q):
         return None
     t = q.tensors
-    # Under torch.compile the activation quantization is not kept (its key reads data pointers, which a traced
-    # tensor has none of); the layers' shared input is one graph value there anyway.
-    return ops.fp8_linear(x, t["data"], t["scale"], not torch.compiler.is_compiling(), w_t, outliers)
+    # The op keeps nothing under torch.compile itself (ops.fp8_linear): the layers' shared input is one graph value
+    # there anyway.
+    return ops.fp8_linear(x, t["data"], t["scale"], True, w_t, outliers)
 
 
 def takes_transposed_weight(path: MatmulPath, dtype: torch.dtype, q: QuantizedTensor) -> bool:
