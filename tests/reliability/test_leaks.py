@@ -46,7 +46,10 @@ def _live(cls) -> list:
 
 
 def _resources() -> dict:
-    """Counts that must come back to where they were, waited for briefly (a worker thread ends on its own)."""
+    """Counts that must come back to where they were, waited for briefly (a worker thread ends on its own).
+
+    Only this process's ``/dev/shm`` segments count: tests running beside it in other processes make and remove
+    their own."""
     deadline = time.monotonic() + 10
     while True:
         gc.collect()
@@ -54,7 +57,7 @@ def _resources() -> dict:
              "arena_bytes": sum(a.stats()["reserved"] for a in _live(HostArena)),
              "threads": len(os.listdir("/proc/self/task")), "python_threads": threading.active_count(),
              "fds": len(os.listdir("/proc/self/fd")), "gc_callbacks": len(gc.callbacks),
-             "shm": len(glob.glob("/dev/shm/trainstream-*"))}
+             "shm": len(glob.glob(f"/dev/shm/trainstream-{os.getpid()}-*"))}
         if r["engines"] == 0 or time.monotonic() > deadline:
             return r
         time.sleep(0.05)
