@@ -20,7 +20,8 @@ import trainstream_hf as ts  # noqa: E402
 from trainstream_hf.cache import TrainStreamCache  # noqa: E402
 from trainstream_hf.config import TrainStreamConfig  # noqa: E402
 from trainstream_hf.integrations.trl_online import (TrainStreamOnlineDPOConfig,  # noqa: E402
-                                                    TrainStreamOnlineDPOTrainer, generation_through_cache)
+                                                    TrainStreamOnlineDPOTrainer, close_kept,
+                                                    generation_through_cache)
 from tests.helpers import randomize_lora_b  # noqa: E402
 from tests.integrations.test_trl_grpo import (LORA, ENGINE, _base_model, _count_models, _prompts,  # noqa: E402
                                               _reward, _tokenizer)
@@ -136,6 +137,25 @@ def test_generation_through_cache_decodes_what_the_dynamic_cache_decodes():
     with generation_through_cache(model, 0.0):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     assert torch.equal(out, ref) and "generate" not in model.__dict__
+
+
+def test_generation_through_cache_decodes_right_when_the_config_turns_the_cache_off():
+    """TRL's generation config says use_cache=False under gradient checkpointing; the cache given is used anyway."""
+    from transformers import GenerationConfig
+
+    tok = _tokenizer()
+    model = _base_model(tok).eval()
+    ids = torch.randint(3, len(tok), (2, 6), generator=torch.Generator().manual_seed(5))
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=False)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the cache warns when it is given the whole sequence again)
+        for keep in (None, {}):
+            with generation_through_cache(model, 0.5, keep):
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            assert torch.equal(out, ref)
+            if keep is not None:
+                close_kept(keep)
 
 
 def test_online_dpo_config_adds_trainstream_flags(tmp_path):

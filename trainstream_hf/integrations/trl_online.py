@@ -88,6 +88,9 @@ def generation_through_cache(model: nn.Module, resident: float | None, keep: dic
     def generate(*args, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return original(*args, **kwargs)
+        # TRL turns the cache off under gradient checkpointing (use_cache=False in its generation config); generate()
+        # would then feed the whole sequence at every step into the cache given here, and decode wrong tokens
+        kwargs["use_cache"] = True
         if keep is None:
             cache = TrainStreamCache(base, resident=resident)
             try:
