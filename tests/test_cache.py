@@ -296,18 +296,26 @@ def test_resident_layers_are_head_major_offloaded_pages_token_major():
     assert sum(layer.resident for layer in cache.layers) == LAYERS // 2
 
 
-def test_a_whole_sequence_given_again_warns_that_use_cache_is_off():
+def test_a_whole_sequence_given_again_is_refused_and_new_tokens_are_not():
     """With use_cache off (model.config.use_cache=False, as training scripts often leave it) generate() feeds the whole
-    sequence at every step and a given cache takes it all again: the output is wrong, and the cache says so once."""
+    sequence at every step and a given cache would take it all again (wrong output): refused, saying what to do. A
+    chunk of new tokens one longer than what is held is no such thing and decodes as DynamicCache does."""
     model = _model("llama")
     ids, mask = _prompt()
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        _generate(model, ids, mask, TrainStreamCache(model, resident=0.5), new=3)
-    assert not [w for w in said if "whole sequence" in str(w.message)]
     model.config.use_cache = model.generation_config.use_cache = False
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        _generate(model, ids, mask, TrainStreamCache(model, resident=0.5), new=3)
-    refed = [str(w.message) for w in said if "whole sequence" in str(w.message)]
-    assert len(refed) == 1 and "holds 7 tokens and is given 8" in refed[0] and "use_cache=True" in refed[0]
+    for resident in (0.0, 1.0):
+        with pytest.raises(ValueError, match=r"holds 7 tokens and is given them again.*use_cache=True"):
+            _generate(model, ids, mask, TrainStreamCache(model, resident=resident), new=3)
+    later = torch.randint(3, VOCAB, (ids.shape[0], ids.shape[1] + 1), generator=torch.Generator().manual_seed(9))
+    both = torch.cat([mask, torch.ones_like(later)], 1)
+    with torch.no_grad():
+        for resident in (0.0, 0.5):
+            ref, cache = DynamicCache(config=model.config), TrainStreamCache(model, resident=resident)
+            for c in (ref, cache):
+                model(input_ids=ids, attention_mask=mask, **{CACHE_KW: c}, use_cache=True)
+            want = model(input_ids=later, attention_mask=both, **{CACHE_KW: ref}, use_cache=True).logits
+            got = model(input_ids=later, attention_mask=both, **{CACHE_KW: cache}, use_cache=True).logits
+            assert torch.equal(got, want)
+            cache.close()
+
+

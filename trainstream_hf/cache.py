@@ -39,7 +39,6 @@ import bisect
 import functools
 import inspect
 import math
-import warnings
 
 import torch
 from transformers import PreTrainedConfig
@@ -302,7 +301,6 @@ class PagedKVCache(Cache):
         self._d2h_event = None  # last D2H copy; FIFO stream, so it covers all earlier ones
         self._slot_read: list = []  # per slot: the last D2H copy that reads it (None: none, or done)
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, loads_ahead=0, loads_on_demand=0, growths=0)
-        self._refeed_warned = False  # update(): the whole sequence given again (generate() with use_cache off)
 
     # -- transformers Cache API -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -331,15 +329,13 @@ class PagedKVCache(Cache):
                 return layer.k_hm, layer.v_hm
             return self._update_offloaded_static(layer_idx, key_states, value_states)
         q, n = key_states.shape[-2], layer.length
-        if n and q == n + 1 and not self._refeed_warned:
+        if n and q == n + 1 and self._refed(layer, key_states):
             # generate() with use_cache off (model.config.use_cache=False, as many training scripts leave it) feeds
-            # the whole sequence at every step, and a cache it was given takes all of it again: every later token
-            # then attends to each earlier one twice, at shifted positions.
-            self._refeed_warned = True
-            warnings.warn(f"PagedKVCache: layer {layer_idx} holds {n} tokens and is given {q}, the whole sequence "
-                          "again: generate() does this when use_cache is off (model.config.use_cache=False), and the "
-                          "output is then wrong; set model.generation_config.use_cache = True or pass use_cache=True "
-                          "to generate()", RuntimeWarning, stacklevel=2)
+            # the whole sequence at every step, and a cache it was given would take all of it again: every later
+            # token would attend to each earlier one twice, at shifted positions
+            raise ValueError(f"PagedKVCache: layer {layer_idx} holds {n} tokens and is given them again with one more: "
+                             "generate() does this when use_cache is off (model.config.use_cache=False); set "
+                             "model.generation_config.use_cache = True or pass use_cache=True to generate()")
         if n + q > self.capacity:
             self._grow(n + q)
         with torch.no_grad():
@@ -355,6 +351,16 @@ class PagedKVCache(Cache):
             layer.length = n + q
             self._prefetch_after(layer_idx)
         return k[s:n + q].permute(1, 2, 0, 3), v[s:n + q].permute(1, 2, 0, 3)
+
+    def _refed(self, layer: _PagedLayer, key_states: torch.Tensor) -> bool:
+        """The first ``layer.length`` of ``key_states`` are the keys held (within rounding): the sequence given
+        again, not new tokens (those sit at other positions, so their keys differ)."""
+        n = layer.length
+        if not layer.resident and self._d2h_event is not None:
+            self._d2h_event.synchronize()  # the host pages are written
+        held = layer.k[:n].to(device=key_states.device, dtype=torch.float32)
+        given = key_states[:, :, :n].permute(2, 0, 1, 3).float()
+        return bool((given - held).abs().amax() <= 0.02 * held.abs().amax() + 1e-6)
 
     @torch.compiler.disable
     def _update_offloaded_static(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
