@@ -36,7 +36,7 @@ from trainstream_hf.engine.activations import Prefetch
 from trainstream_hf.engine.device_adamw import DEFAULT_CHUNK_NUMEL
 from trainstream_hf.engine.weights import block_bytes
 
-__all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block",
+__all__ = ["BlockPlan", "Plan", "BudgetError", "BlockMeasure", "plan", "resolve_budget", "measure_block", "head_weight",
            "measure_activation_bytes", "activation_bytes_per_token", "measure_head", "pages_param", "page_filter",
            "format_bytes", "measure_backward_extra"]
 
@@ -577,6 +577,14 @@ def measure_backward_extra(model: nn.Module, block: nn.Module, ids: torch.Tensor
 COPY_WINDOW = 0.8
 
 
+def head_weight(model: nn.Module) -> torch.Tensor | None:
+    """The 2-D weight of the model's output embedding (through a PEFT wrapper), or None where it has none."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
 def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.device, fused=None) -> int | None:
     """Peak device bytes of the model's head for one micro-batch, measured on CUDA: final norm, LM head and loss on
     random hidden states, then the gradient back to those hidden states (the moment the plan calls "logits").
@@ -592,12 +600,12 @@ def measure_head(model: nn.Module, batch_shape: tuple[int, int], device: torch.d
     if torch.device(device).type != "cuda":
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     loss_fn = getattr(base, "loss_function", None)
     vocab = getattr(getattr(base, "config", None), "vocab_size", None)
-    weight = getattr(head, "weight", None)
-    if weight is None or loss_fn is None or not vocab or weight.device != torch.device(device) or weight.dim() != 2:
+    weight = head_weight(model)
+    if weight is None or loss_fn is None or not vocab or weight.device != torch.device(device):
         return None
+    head = base.get_output_embeddings()
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
     norm = next((getattr(decoder, n) for n in ("norm", "final_layernorm", "ln_f")
                  if isinstance(getattr(decoder, n, None), nn.Module)), None)

@@ -297,8 +297,7 @@ def _fused_head_applies(base: nn.Module, mode) -> bool:
     """Whether the fused head can serve ``base``: an output embedding with a 2-D weight, and (for ``"auto"``) no
     logit soft-capping or scaling in the config (those models change the logits between head and loss; forced
     with ``True`` they fail loudly at the first fused step)."""
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if getattr(head, "weight", None) is None or head.weight.dim() != 2:
+    if planner.head_weight(base) is None:
         return False
     config = getattr(base, "config", None)
     if getattr(config, "vocab_size", None) is None:
@@ -574,11 +573,10 @@ def _compile_mode(option, blocks, device: torch.device):
 
 def _vocab(model: nn.Module) -> int:
     """The width of the model's logits: its output embedding's rows, else ``config.vocab_size`` (0: neither)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+    weight = planner.head_weight(model)
+    if weight is not None:
         return int(weight.shape[0])
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return int(getattr(getattr(base, "config", None), "vocab_size", 0) or 0)
 
 
