@@ -448,8 +448,7 @@ def test_a_rebuilt_extension_gets_graphs_of_its_own_from_the_compile_caches(tmp_
         monkeypatch.setattr(compiled_blocks, "build_identity", lambda: build)
         torch._dynamo.reset()
         counters.clear()
-        with compiled_blocks._compile_settings():
-            torch.compile(step)(x).backward()
+        torch.compile(step, backend=compiled_blocks._backend("inductor"))(x).backward()
         # the AOTAutograd cache: keyed on dynamo's graph, where this package's ops are whole (inductor's own cache is
         # keyed on the traced graph's code, which a changed C++ node changes anyway)
         return counters["aot_autograd"]["autograd_cache_hit"]
@@ -458,3 +457,20 @@ def test_a_rebuilt_extension_gets_graphs_of_its_own_from_the_compile_caches(tmp_
         assert hits("build 1") == 0
         assert hits("build 1") > 0
         assert hits("build 2") == 0
+
+
+def test_a_second_wrap_reuses_the_compiled_graph():
+    """The settings compiled regions need travel with one backend object per backend (entered where dynamo compiles,
+    not around every block call): a second model of the same shape, wrapped later, meets no backend-mismatch
+    recompilation."""
+    from torch._dynamo.utils import counters
+
+    ids = _batches(1)[0]
+    for round_ in range(2):
+        if round_:
+            counters.clear()
+        model, _ = ts.wrap(_llama(), None, device="cpu", vram_budget="8GiB", host_arena=None,
+                           compile_blocks="aot_eager", batch_shape=tuple(ids.shape))
+        model(input_ids=ids, labels=ids).loss.backward()
+        ts.unwrap(model)
+    assert not counters["stats"]["unique_graphs"] and not counters["recompiles"], dict(counters)

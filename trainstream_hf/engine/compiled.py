@@ -143,8 +143,7 @@ def _compiled_forward(owner: "CompiledBlocks", layer: nn.Module, eager, compiled
     # 66d2b61, benchmarks/NOTES.md); without it the region saves less than eager does.
     if owner.fallback and not owner.compiled_once:
         try:
-            with _compile_settings():
-                out = compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to compile: eager from now on, said once
             owner.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             warnings.warn(f"compile_blocks='auto': torch.compile of the decoder blocks failed ({owner.failed}); they "
@@ -153,8 +152,33 @@ def _compiled_forward(owner: "CompiledBlocks", layer: nn.Module, eager, compiled
             return eager(*args, **kwargs)
         owner.compiled_once = True
         return out
-    with _compile_settings():
-        return compiled(*args, **kwargs)
+    return compiled(*args, **kwargs)
+
+
+class _UnderSettings:
+    """torch.compile's backend ``inner``, run under :func:`_compile_settings`: they apply where dynamo compiles a
+    region (the joint graph is partitioned and the AOTAutograd cache key taken there), and cost nothing on the calls
+    that reuse it (entering them around every block call cost ~0.2 ms on the host, 2026-12-07). One object per
+    backend (:func:`_backend`): dynamo recompiles a region for a backend that is not the one it compiled it with."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        with _compile_settings():
+            return self.inner(gm, example_inputs, **kwargs)
+
+
+_BACKENDS: dict = {}
+
+
+def _backend(backend) -> _UnderSettings:
+    """The one :class:`_UnderSettings` of ``backend`` (a torch.compile backend name or callable)."""
+    import torch._dynamo
+
+    if backend not in _BACKENDS:
+        _BACKENDS[backend] = _UnderSettings(torch._dynamo.lookup_backend(backend))
+    return _BACKENDS[backend]
 
 
 def inductor_usable(device: torch.device) -> bool:
@@ -193,7 +217,7 @@ class CompiledBlocks:
             self._saved.append((block, inner))
             fn = inner if inner is not _MISSING else type(block).forward.__get__(block)
             block.__dict__["forward"] = functools.partial(_compiled_forward, self, block, fn,
-                                                          torch.compile(fn, backend=self.backend))
+                                                          torch.compile(fn, backend=_backend(self.backend)))
         return len(self._saved)
 
     def uninstall(self) -> None:
