@@ -102,9 +102,15 @@ def test_tokens_past_the_capacity_are_refused_in_one_line():
     with pytest.raises(ValueError, match="a prompt of 10 tokens does not fit max_cache_len=8"):
         _generate(model, ids, TrainStreamCache(model, resident=0.5, static=True, max_cache_len=8),
                   disable_compile=True)
-    with pytest.raises(ValueError, match="13 tokens do not fit max_cache_len=12"):  # an offloaded layer's decode
-        _generate(model, ids, TrainStreamCache(model, resident=0.0, static=True, max_cache_len=PROMPT + 2),
-                  disable_compile=True)
+    for resident in (0.0, 0.5, 1.0):  # an offloaded layer's decode, and a resident one's (layer 0 at 0.5 and 1.0)
+        cache = TrainStreamCache(model, resident=resident, static=True, max_cache_len=PROMPT + 2)
+        with pytest.raises(ValueError, match="13 tokens do not fit max_cache_len=12.*cache.reset()"):
+            _generate(model, ids, cache, disable_compile=True)
+        cache.close()
+    cache = TrainStreamCache(model, resident=1.0, static=True, max_cache_len=PROMPT + NEW)
+    first = _generate(model, ids, cache, disable_compile=True)[0]
+    cache.reset()  # (without it, transformers' generate() slices the prompt by the tokens held, as for StaticCache)
+    assert torch.equal(_generate(model, ids, cache, disable_compile=True)[0], first)
 
 
 def test_crop_and_reorder_act_on_the_tensor_lengths():

@@ -156,7 +156,7 @@ class _PagedLayer(CacheLayerMixin):
         self.resident = resident
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
-        self.length = 0  # tokens held (static resident layers: see cumulative_length)
+        self.length = 0  # tokens held (static resident layers: cumulative_length; this counts eager updates)
         self.k: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
         self.v: torch.Tensor | None = None
         # static (PagedKVCache(static=True)): the whole capacity is returned and masked, as StaticLayer does; the
@@ -200,6 +200,10 @@ class _PagedLayer(CacheLayerMixin):
 
 class PagedKVCache(Cache):
     """KV cache with resident layers on the compute device and offloaded ones in host pages.
+
+    One generation at a time, as transformers' caches: :meth:`reset` empties it for the next (keeping its buffers),
+    :meth:`close` gives its memory back. ``generate()`` must run with ``use_cache`` on: a cache given the whole
+    sequence again (what ``use_cache=False`` feeds it) is refused.
 
     Args:
         model: a transformers causal LM (or its config). Its decoder layer types decide each cache layer:
@@ -321,6 +325,9 @@ class PagedKVCache(Cache):
             self._init_layer(layer, key_states, value_states)
         if self.static:
             if layer.resident:  # traced into a compiled decode step: tensor ops on fixed buffers only
+                if not torch.compiler.is_compiling():  # eager: the host count says what fits (a traced step cannot)
+                    self._check_fits(layer.length, key_states.shape[-2])
+                    layer.length += key_states.shape[-2]
                 with torch.no_grad():
                     pos = torch.arange(key_states.shape[-2], device=self._device) + layer.cumulative_length
                     layer.k_hm.index_copy_(2, pos, key_states)
@@ -335,7 +342,9 @@ class PagedKVCache(Cache):
             # token would attend to each earlier one twice, at shifted positions
             raise ValueError(f"PagedKVCache: layer {layer_idx} holds {n} tokens and is given them again with one more: "
                              "generate() does this when use_cache is off (model.config.use_cache=False); set "
-                             "model.generation_config.use_cache = True or pass use_cache=True to generate()")
+                             "model.generation_config.use_cache = True or pass use_cache=True to generate() (new "
+                             "tokens that repeat the held ones, in a model without positions in its keys: feed "
+                             "them in two calls)")
         if n + q > self.capacity:
             self._grow(n + q)
         with torch.no_grad():
@@ -369,9 +378,7 @@ class PagedKVCache(Cache):
         copies from Python."""
         layer = self.layers[layer_idx]
         q, n = key_states.shape[-2], layer.length
-        if n + q > self.capacity:
-            raise ValueError(f"PagedKVCache(static=True): {n + q} tokens do not fit max_cache_len={self.capacity}; "
-                             "make it the prompt's length plus the most new tokens")
+        self._check_fits(n, q)
         with torch.no_grad():
             k, v = self._acquire(layer_idx)
             k[n:n + q].copy_(key_states.permute(2, 0, 1, 3))
@@ -384,6 +391,12 @@ class PagedKVCache(Cache):
             layer.cumulative_length.add_(q)
             self._prefetch_after(layer_idx)
         return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
+    def _check_fits(self, held: int, new: int) -> None:
+        if held + new > self.capacity:
+            raise ValueError(f"PagedKVCache(static=True): {held + new} tokens do not fit max_cache_len="
+                             f"{self.capacity}; make it the prompt's length plus the most new tokens, and call "
+                             "cache.reset() before a new generation")
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last ``-tokens_to_remove`` tokens (a negative int, as ``DynamicCache.crop`` wants)."""
