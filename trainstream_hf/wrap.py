@@ -51,7 +51,7 @@ from trainstream_hf.engine.trace import Timeline
 from trainstream_hf.engine.weights import WeightPager, block_bytes, select_params
 from trainstream_hf.quant import matmul
 from trainstream_hf.quant.linear import QuantLinear
-from trainstream_hf.quant.model import quantize_frozen_base
+from trainstream_hf.quant.model import is_plain_linear, quantize_frozen_base
 
 __all__ = ["wrap", "unwrap", "plan", "Engine", "engine_of"]
 
@@ -456,7 +456,7 @@ def _quantize(s: _Setup, undo: contextlib.ExitStack) -> None:
     (a copy of a device one), to be put back if a later step fails. Where those originals would take more than half
     of the host's available memory they are not kept: a failure then says that the base stays packed."""
     originals = []  # (parent, child name, original layer, [(tensor, its device)])
-    frozen = sum(t.numel() * t.element_size() for m in s.model.modules() if type(m) is nn.Linear
+    frozen = sum(t.numel() * t.element_size() for m in s.model.modules() if is_plain_linear(m)
                  and not m.weight.requires_grad for t in m.parameters(recurse=False))
     available = host_memory_available()
     if available is not None and frozen > available // 2:

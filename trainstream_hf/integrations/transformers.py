@@ -38,6 +38,7 @@ from trainstream_hf.config import TrainStreamConfig, config_from_text, env_confi
 from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
+from trainstream_hf.quant.model import is_plain_linear
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamCallback", "TrainStreamEnvCallback", "TrainStreamTrainingArguments", "TrainStreamTrainer",
@@ -188,7 +189,7 @@ class TrainStreamCallback(TrainerCallback):
         if cfg.device is None and torch.device(args.device).type != "cpu" and any(
                 p.device != torch.device(args.device) for p in model.parameters()):
             cfg = replace(cfg, device=str(args.device))
-        dense = {n for n, m in model.named_modules() if type(m) is nn.Linear} if cfg.quantize is not None else set()
+        dense = {n for n, m in model.named_modules() if is_plain_linear(m)} if cfg.quantize is not None else set()
         # with quantize set, wrap packs the frozen base (all or nothing); it measures a block under the autocast the
         # Trainer's forward runs in: the activations as trained, and compiled blocks compile once, not twice
         with training_autocast(args, cfg.device):

@@ -11,13 +11,24 @@ from trainstream_hf.quant import outliers as _outliers
 from trainstream_hf.quant.formats import QuantFormat, get_format
 from trainstream_hf.quant.linear import QuantLinear, _is_conv1d, linear_weight
 
-__all__ = ["quantize_model", "quantize_frozen_base"]
+__all__ = ["quantize_model", "quantize_frozen_base", "is_plain_linear"]
+
+# Subclasses of nn.Linear in transformers whose forward is the plain linear map (FalconLinear: x @ W.T + b, written
+# out): packed as nn.Linear is. Every other subclass keeps its own semantics (a router, a head with an fp32 output,
+# MultiheadAttention's out_proj, whose weight the attention reads directly) and is left alone.
+_PLAIN_LINEAR = {("transformers.models.falcon.modeling_falcon", "FalconLinear")}
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """``module`` is an ``nn.Linear`` or a subclass that computes the same map (``FalconLinear``)."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__module__, cls.__qualname__) in _PLAIN_LINEAR
 
 
 def _is_target(module: nn.Module) -> bool:
-    # Exactly nn.Linear or Conv1D: subclasses (MultiheadAttention's out_proj, whose weight the attention reads
-    # directly; other libraries' quantized or adapter layers) have their own semantics and are left alone.
-    return type(module) is nn.Linear or (_is_conv1d(module) and not isinstance(module, nn.Linear))
+    # nn.Linear (or a plain subclass) or Conv1D: other subclasses (MultiheadAttention's out_proj, other libraries'
+    # quantized or adapter layers) have their own semantics and are left alone.
+    return is_plain_linear(module) or (_is_conv1d(module) and not isinstance(module, nn.Linear))
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
@@ -35,7 +46,8 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
     packed weight stays on the device the layer's weight was on; ``device="cuda"`` quantizes a CPU-resident model
     on the GPU one layer at a time (the whole bf16 model is never on the GPU).
 
-    Not converted: modules named in ``skip``, subclasses of ``nn.Linear`` (e.g. ``MultiheadAttention.out_proj``),
+    Not converted: modules named in ``skip``, subclasses of ``nn.Linear`` (e.g. ``MultiheadAttention.out_proj``;
+    :func:`is_plain_linear` names the ones that are, such as Falcon's),
     layers that are already :class:`QuantLinear`, and layers whose weight is shared with another module (tied
     ``lm_head``/embeddings: quantizing would untie it and save nothing), which get a warning.
 
@@ -144,7 +156,7 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
         raise ValueError(f"quantize={quantize!r}, outliers={outliers}: layer {n} is already packed as "
                          f"{m.fmt.name!r} with outliers={m.outliers}; pass the format the base was packed in")
     for name, m in model.named_modules():
-        if type(m) is not nn.Linear:
+        if not is_plain_linear(m):
             continue
         (frozen if not m.weight.requires_grad and m is not head else keep).append(name)
     if not frozen:

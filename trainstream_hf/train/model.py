@@ -171,6 +171,7 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
     """
     from trainstream_hf.engine.blocks import find_blocks
     from trainstream_hf.quant import quantize_model
+    from trainstream_hf.quant.model import is_plain_linear
 
     device, home = torch.device(device), torch.device(home)
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
@@ -214,7 +215,7 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
             owners[id(m)]._init_weights(m)
         if quantize is not None:
             local_skip = tuple(rel for rel, sub in block.named_modules()
-                               if rel and type(sub) is nn.Linear and _skipped(f"{name}.{rel}", skip))
+                               if rel and is_plain_linear(sub) and _skipped(f"{name}.{rel}", skip))
             quantize_model(block, quantize, outliers, skip=local_skip, act_quant=act_quant)
         block.to(home)
 
@@ -222,7 +223,7 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
         """``m``'s own parameters and buffers (not its children's)."""
         if allocate(m):
             owners[id(m)]._init_weights(m)
-        if quantize is not None and type(m) is nn.Linear and name and not _skipped(name, skip) and id(m) not in tied:
+        if quantize is not None and is_plain_linear(m) and name and not _skipped(name, skip) and id(m) not in tied:
             parent, _, child = name.rpartition(".")
             q = quantize_model(m, quantize, outliers, act_quant=act_quant)  # a Linear gives back its QuantLinear
             setattr(model.get_submodule(parent), child, q)
