@@ -704,3 +704,19 @@ def test_plan_of_a_wrapped_model_is_the_installed_one():
     ts.unwrap(model)
     assert ts.plan(model, vram_budget="8GiB").budget == 8 * 2**30
 
+
+
+@pytest.mark.parametrize("options", [{}, dict(offload_activations=True, min_activation_bytes=0, page_weights=True,
+                                             min_offload_numel=0)])
+def test_wrap_leaves_the_users_random_stream_alone(options):
+    """wrap runs the model to measure it; with dropout on, that must not move the user's generator (the first steps'
+    masks would differ from the same loop without wrap)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=128))
+    before = torch.get_rng_state()
+    ts.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", vram_budget="8GiB", host_arena=None,
+            batch_shape=(2, 32), **options)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -589,14 +589,15 @@ def _fp8_tensor_core_layers(blocks, device: torch.device) -> bool:
 
 
 def _measure(s: _Setup, block: nn.Module) -> planner.BlockMeasure | None:
-    """``planner.measure_block`` of ``block``; with compiled blocks, through the compiled region (which compiles
-    here, for the measured batch shape, rather than at the first training step): the blocks run in training mode for
-    it (only training calls are compiled), with the random number generators forked, so the user's stream of random
-    numbers is the same as without the measurement."""
-    if s.compiled is None:
-        return planner.measure_block(s.model, block, s.batch_shape, s.device, casts=s.casts)
-    modes = [(b, b.training) for b in s.blocks]
+    """``planner.measure_block`` of ``block``, with the random number generators forked, so that the user's stream of
+    random numbers (dropout's masks in the first steps) is the same as without the measurement; with compiled blocks,
+    through the compiled region (which compiles here, for the measured batch shape, rather than at the first training
+    step): the blocks run in training mode for it (only training calls are compiled)."""
     devices = [s.device] if s.device.type == "cuda" else []
+    if s.compiled is None:
+        with torch.random.fork_rng(devices=devices):
+            return planner.measure_block(s.model, block, s.batch_shape, s.device, casts=s.casts)
+    modes = [(b, b.training) for b in s.blocks]
     try:
         with torch.random.fork_rng(devices=devices):
             for b, _ in modes:
