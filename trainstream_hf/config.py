@@ -202,7 +202,8 @@ class TrainStreamConfig:
                 "LoRA block. 'auto': only when the plan needs the memory (if every block keeps its weights and "
                 "activations on the device without it, or if the measured block saves no widened copy -- LoRA over "
                 "QuantLinear saves its narrow input itself -- it is left out: it costs a cast per copy in backward "
-                "and a Python hook per saved tensor); True: always; False: never."})
+                "and a Python hook per saved tensor; compiled blocks decide what they save themselves); True: always; "
+                "False: never."})
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANT_FORMATS:

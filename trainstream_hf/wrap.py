@@ -534,12 +534,14 @@ def _prepare(s: _Setup, undo: contextlib.ExitStack) -> None:
         s.norms = FusedNorms()
         undo.callback(s.norms.uninstall)
         s.norms.install(model.modules())
-    if config.elide_casts:
+    compile_mode = _compile_mode(config.compile_blocks, s.blocks, s.device)
+    # Inside a compiled block cast elision stands aside (the graph decides what it saves): under 'auto' it is not
+    # installed there, since dropping it after the measurement would change the region and compile it again
+    if config.elide_casts is True or config.elide_casts and not compile_mode:
         s.casts = CastSources()
         undo.callback(s.drop_casts)
         if not s.casts.install(m for b in s.blocks for m in b.modules()):
             s.drop_casts()
-    compile_mode = _compile_mode(config.compile_blocks, s.blocks, s.device)
     if compile_mode:
         # Before the block is measured: the compiled region saves fewer tensors than the eager block (its partitioner
         # recomputes cheap elementwise results in backward). Measured eager, the plan of the 8B fp8 table row
