@@ -195,8 +195,8 @@ class TrainStreamConfig:
                 "layers (compiled, those do not yet train as eager on the GPU); True: torch.compile's default backend "
                 "(inductor); a string: that backend ('aot_eager' traces without generating kernels); False: eager. "
                 "wrap pays the compilation (on the CPU, the backward's is left to the first step): the plan measures "
-                "the compiled block, which saves less than the eager one. The same maths, not the same bits, and dropout draws other masks (inductor's own random numbers; "
-                "trainstream_hf/engine/compiled.py)."})
+                "the compiled block, which saves less than the eager one. The same maths, not the same bits, and "
+                "dropout draws other masks (inductor's own random numbers; trainstream_hf/engine/compiled.py)."})
     elide_casts: str | bool = field(default="auto", metadata={
         "help": "Save an exact widening copy (PEFT's fp32 copy of a bf16 LoRA input) as its narrow source and "
                 "convert it again in backward: the same values, about a third less activation memory in a "
