@@ -155,10 +155,12 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
         n, m = other[0]
         raise ValueError(f"quantize={quantize!r}, outliers={outliers}: layer {n} is already packed as "
                          f"{m.fmt.name!r} with outliers={m.outliers}; pass the format the base was packed in")
+    # the head and whatever it wraps (PEFT's modules_to_save keeps the original head inside a wrapper)
+    in_head = set() if head is None else {id(m) for m in head.modules()}
     for name, m in model.named_modules():
         if not is_plain_linear(m):
             continue
-        (frozen if not m.weight.requires_grad and m is not head else keep).append(name)
+        (frozen if not m.weight.requires_grad and id(m) not in in_head else keep).append(name)
     if not frozen:
         if packed:
             return []
@@ -183,5 +185,12 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
                       f"theirs are not ({', '.join(f'{n} ({model.get_submodule(n).in_features})' for n in narrow[:3])}"
                       f"{' ...' if len(narrow) > 3 else ''}); int8 and fp8 take any width", RuntimeWarning,
                       stacklevel=3)
+    # a bias that trains (PEFT's bias="all" / "lora_only") stays the Parameter it was, trainable, held by the optimizer
+    biases = {n: model.get_submodule(n).bias for n in frozen}
+    trained_bias = {n: b for n, b in biases.items() if isinstance(b, nn.Parameter) and b.requires_grad}
     quantize_model(model, quantize, outliers, skip=tuple(keep) + tuple(narrow) + ("lm_head",), replaced=replaced)
+    for n, bias in trained_bias.items():
+        layer = model.get_submodule(n)
+        if isinstance(layer, QuantLinear):
+            layer.bias = bias
     return [n for n in frozen if isinstance(model.get_submodule(n), QuantLinear)]
