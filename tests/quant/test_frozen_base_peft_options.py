@@ -48,3 +48,16 @@ def test_the_head_kept_by_modules_to_save_is_not_packed():
     assert type(head.original_module) is torch.nn.Linear
     assert not any(isinstance(m, QuantLinear) for m in head.modules())
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 7 * 2
+
+
+def test_dora_is_refused_in_one_line_either_way_in():
+    from trainstream_hf.quant import quantize_model
+
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=8, target_modules="all-linear", use_dora=True))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with pytest.raises(ValueError, match=r"DoRA adapters \(use_dora=True.*use_dora=False"):
+        ts.wrap(model, opt, device="cpu", vram_budget="8GiB", host_arena=None, quantize="nf4", batch_shape=(2, 16))
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # wrap changed nothing
+    with pytest.raises(NotImplementedError, match=r"DoRA \(use_dora=True\).*use_dora=False"):
+        peft.get_peft_model(quantize_model(_llama(), "nf4"), peft.LoraConfig(r=8, target_modules="all-linear",
+                                                                             use_dora=True))

@@ -162,7 +162,7 @@ def test_bf16_base_adapter_dtype_as_for_nn_linear_and_merge_is_refused(autocast_
 def test_dense_weight_features_are_refused_and_orthogonal_init_works(tiny_llama, register):
     model = quantize_model(tiny_llama(), "nf4")
     lora = (lambda **kw: register_quant_lora(LoraConfig(**kw))) if register else LoraConfig
-    with pytest.raises(ValueError, match="unsupported variant"):
+    with pytest.raises(NotImplementedError, match=r"DoRA \(use_dora=True\) needs the dense base weight"):
         get_peft_model(model, lora(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(NotImplementedError, match="init_lora_weights='pissa' reads the dense base weight"):
         get_peft_model(model, lora(r=4, target_modules=["q_proj"], init_lora_weights="pissa"))

@@ -101,7 +101,12 @@ class QuantLoraLinear(_LoraLinear):
         init = config.init_lora_weights
         if not any(init is v or (isinstance(v, str) and init == v) for v in _SUPPORTED_INITS):
             raise NotImplementedError(f"QuantLoraLinear: init_lora_weights={init!r} reads the dense base weight, which "
-                                      f"a quantized base does not hold; use one of {_SUPPORTED_INITS}")
+                                      f"a quantized base does not hold: make such an adapter over the dense model "
+                                      f"(wrap(quantize=...) then packs the base it leaves), and load a saved one onto "
+                                      f"the base it was trained with; else use one of {_SUPPORTED_INITS}")
+        if getattr(config, "use_dora", False):
+            raise NotImplementedError("QuantLoraLinear: DoRA (use_dora=True) needs the dense base weight, which a "
+                                      "quantized base does not hold; use plain LoRA (use_dora=False), or a dense base")
         if config.fan_in_fan_out:
             warnings.warn("fan_in_fan_out is set but the target is a QuantLinear (nn.Linear layout, also for a "
                           "quantized Conv1D); setting fan_in_fan_out to False.", stacklevel=2)

@@ -172,6 +172,11 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
                              "quantize unset")
         raise ValueError(f"quantize={quantize!r} packs frozen linear layers, and this model has none (every linear "
                          "layer trains): add PEFT LoRA adapters, or leave quantize unset")
+    dora = [n for n, m in model.named_modules() if getattr(m, "lora_magnitude_vector", None)
+            and isinstance(getattr(m, "base_layer", None), nn.Linear) and not isinstance(m.base_layer, QuantLinear)]
+    if dora:
+        raise ValueError(f"quantize={quantize!r}: DoRA adapters (use_dora=True, e.g. {dora[0]}) need their dense base "
+                         "weight; use plain LoRA (use_dora=False), or leave quantize unset")
     fmt = get_format(quantize)
     narrow = [n for n in frozen if model.get_submodule(n).in_features % fmt.in_features_multiple]
     if narrow and len(narrow) == len(frozen):
