@@ -17,6 +17,12 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
+@pytest.mark.parametrize("negative", ["-1", "-1GiB", " -0.5 MiB", -5])
+def test_a_negative_size_is_called_negative(negative):
+    with pytest.raises(ValueError, match="must be >= 0"):
+        parse_bytes(negative)
+
+
 def test_config_defaults_and_dict():
     cfg = TrainStreamConfig()
     assert cfg.host_arena == "auto" and cfg.quantize is None

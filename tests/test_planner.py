@@ -220,6 +220,7 @@ def test_below_the_minimum_raises_with_the_minimum():
     with pytest.raises(BudgetError, match="below the minimum") as e:
         _plan(model, vram_budget=minimum - 1, **kw)
     assert f"{minimum / GiB:.2f} GiB predicted" in str(e.value)
+    assert f"raise vram_budget to at least {minimum / GiB:.2f} GiB" in str(e.value)
     assert "| block |" in str(e.value)  # the table of the plan that did not fit
 
 

@@ -1017,10 +1017,11 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
     if host_budget is not None and pl.host_bytes() > host_budget:
         _fit_host(pl, int(host_budget))
     if not pl.fits():
+        need = pl.predicted_peak() + pl.margin
         raise BudgetError(
-            f"vram_budget {format_bytes(budget)} is below the minimum this model needs with every block's "
-            f"weights and activations in host RAM: {format_bytes(pl.predicted_peak() + pl.margin)} predicted "
-            f"(with a {format_bytes(pl.margin)} margin)\n{pl}")
+            f"vram_budget {format_bytes(budget)} is below the minimum this model needs with as much in host RAM as "
+            f"the options allow: {format_bytes(need)} predicted (with a {format_bytes(pl.margin)} margin); raise "
+            f"vram_budget to at least {format_bytes(need)}, or shorten the batch (batch_shape) -- that plan:\n{pl}")
     if cpu_adam_pps:
         pl.cpu_adam_pps = float(cpu_adam_pps)
     if pl.offload_optimizer and optimizer_moments == "float32":

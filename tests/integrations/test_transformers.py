@@ -134,6 +134,10 @@ def test_bad_arguments(kw, msg):
         TrainStreamTrainingArguments(output_dir="/tmp/x", use_cpu=True, **kw)
 
 
+def test_the_switch_reads_as_the_environment_variable_does():
+    assert TrainStreamTrainingArguments(output_dir="/tmp/x", use_cpu=True, trainstream=" ON").trainstream == "on"
+
+
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     """save at step 3, resume from it: the same weights as 6 uninterrupted steps (host optimizer state
     goes through the Trainer's checkpoint and back)."""

@@ -300,6 +300,8 @@ class TrainStreamTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.trainstream, str):  # as TRAINSTREAM=ON is read
+            self.trainstream = self.trainstream.strip().lower()
         if self.trainstream not in ("auto", "on", "off"):
             raise ValueError(f"trainstream: 'auto', 'on' or 'off', got {self.trainstream!r}")
         self.trainstream_config()  # validate now, not when training starts
