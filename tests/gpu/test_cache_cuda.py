@@ -227,3 +227,33 @@ def test_prefill_into_reused_slots_keeps_every_layers_kv(monkeypatch, slow_d2h):
         assert torch.equal(layer.k[:n].permute(1, 2, 0, 3).cuda(), ref.layers[i].keys), i
         assert torch.equal(layer.v[:n].permute(1, 2, 0, 3).cuda(), ref.layers[i].values), i
     paged.close()
+
+
+@pytest.mark.parametrize("resident", [0.0, 0.5])
+def test_the_whole_sequence_again_is_refused_and_new_tokens_are_not_cuda(resident):
+    """generate(use_cache=False) feeds the whole sequence again: refused (the held keys read back from the host pages
+    once the D2H copies are done); a chunk of new tokens one longer than what is held decodes as DynamicCache."""
+    model = _llama(torch.bfloat16)
+    ids = _ids()
+    kw = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(ValueError, match="given them again with one more.*use_cache=True"):
+        model.generate(ids, **{CACHE_KW: TrainStreamCache(model, resident=resident)}, use_cache=False, **kw)
+    model = _llama(torch.float32)  # (the same values; the kernels may differ on views: within rounding)
+    later = _ids(length=ids.shape[1] + 1, seed=7)
+    with torch.no_grad():
+        ref, cache = DynamicCache(config=model.config), TrainStreamCache(model, resident=resident)
+        for c in (ref, cache):
+            model(input_ids=ids, **{CACHE_KW: c}, use_cache=True)
+        want = model(input_ids=later, **{CACHE_KW: ref}, use_cache=True).logits
+        got = model(input_ids=later, **{CACHE_KW: cache}, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("resident", [0.0, 0.5, 1.0])
+def test_a_static_cache_too_small_is_refused_in_one_line_cuda(resident):
+    model = _llama()
+    ids = _ids()
+    cache = TrainStreamCache(model, resident=resident, static=True, max_cache_len=ids.shape[1] + 2)
+    with pytest.raises(ValueError, match="do not fit max_cache_len"):
+        model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       disable_compile=True)
