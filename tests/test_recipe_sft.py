@@ -147,6 +147,7 @@ def test_trainer_loop_gives_the_plain_loop_losses(sft, tmp_path, schedule):
     (["--data.train_file", "nope.jsonl"], FileNotFoundError, r"data\.train_file: no such file 'nope\.jsonl'"),
     (["--data.test_file", "nope.jsonl"], FileNotFoundError, r"data\.test_file: no such file 'nope\.jsonl'"),
     (["--data.tokenizer", "nope"], FileNotFoundError, r"data\.tokenizer: no tokenizer directory 'nope'"),
+    (["--data.tokenizer", "configs"], ConfigError, r"data\.tokenizer: 'configs' holds no tokenizer .*save_pretrained"),
     (["--model", "nope/", "--init", "pretrained"], FileNotFoundError, r"model: no such file or directory 'nope/'"),
     (["--model", "configs/models/nope.json"], FileNotFoundError,
      r"model: no such file or directory 'configs/models/nope\.json'"),
@@ -161,6 +162,13 @@ def test_bad_input_is_named_and_nothing_is_written(sft, tmp_path, args, error, m
     with pytest.raises(error, match=match):
         sft(CONFIG + args + ["--output_dir", str(out)])
     assert not out.exists()
+
+
+def test_a_yaml_typo_is_one_line_naming_the_file_and_place(sft, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps 250\n  lr: 0.01\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: line 3, column 5: not valid YAML"):
+        sft(["--config", str(bad), "--output_dir", str(tmp_path / "run")])
 
 
 def test_unwritable_output_dir_fails_first(sft, tmp_path):

@@ -89,7 +89,13 @@ def load(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any]
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"--config: no such file {str(p)!r}")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:  # one line: the file, the place, what is wrong
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{p}:{where}: not valid YAML ({getattr(err, 'problem', None) or err}); an option "
+                              "is written `name: value`, nested under its section by two spaces") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of options, got {type(data).__name__}")
     for key, value in (overrides or {}).items():

@@ -30,13 +30,20 @@ __all__ = ["load_tokenizer", "load_examples", "read_jsonl", "tokenize", "pack", 
 IGNORE = -100
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str):
     """A tokenizer from a local directory (no hub). It must define ``eos_token`` and ``pad_token``."""
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"data.tokenizer: no tokenizer directory {path!r} (make one with "
-                                "data/make_data.py, or point at a local model's directory)")
+        raise FileNotFoundError(f"data.tokenizer: no tokenizer directory {path!r}; point it at the directory your "
+                                "model's tokenizer was saved to (the demo's is data/tokenizer)")
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(f"data.tokenizer: {path!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}); save "
+                          "your model's tokenizer there (tokenizer.save_pretrained(dir)) or point at the directory "
+                          "that has it")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.eos_token_id is None:
         raise ConfigError(f"data.tokenizer: {path!r} defines no eos_token; completions must end with one")
