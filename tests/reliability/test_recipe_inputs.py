@@ -55,6 +55,12 @@ def test_row_missing_a_field_is_named(recipe, tmp_path, name):
     assert f"{str(path)!r} line 4 has no \"completion\"" in message and FORMAT in message
 
 
+def test_preference_pairs_are_named_as_such(recipe, tmp_path):
+    path = _jsonl(tmp_path, '{"prompt": "rev(abc)=", "chosen": "cba", "rejected": "abc"}\n')
+    message = _fails(recipe, "dpo", tmp_path, "--data.train_file", str(path))
+    assert "has no \"completion\"" in message and "train on yours with TrainStreamDPOTrainer" in message
+
+
 def test_field_that_is_not_a_string_is_named(recipe, tmp_path):
     path = _jsonl(tmp_path, GOOD + '{"prompt": "rev(abc)=", "completion": 17}\n')
     message = _fails(recipe, "sft", tmp_path, "--data.train_file", str(path))

@@ -119,8 +119,10 @@ def read_jsonl(path: str, *, option: str = "data.train_file", fields: tuple[str,
             missing = [k for k in fields if k not in row]
             if missing:
                 names = " or ".join(f'"{k}"' for k in missing)
+                pairs = ("; preference pairs (chosen / rejected) are not read by the recipes, which derive their own: "
+                         "train on yours with TrainStreamDPOTrainer") if {"chosen", "rejected"} <= set(row) else ""
                 raise ConfigError(f"{where} line {n} has no {names} (its keys: {', '.join(row) or 'none'}); "
-                                  f"expected {FORMAT}")
+                                  f"expected {FORMAT}{pairs}")
             for k in fields:
                 if not isinstance(row[k], str):
                     raise ConfigError(f'{where} line {n}: "{k}" is a {_json_kind(row[k])}, not a string; '
