@@ -596,10 +596,7 @@ def _measure(s: _Setup, block: nn.Module) -> planner.BlockMeasure | None:
     through the compiled region (which compiles here, for the measured batch shape, rather than at the first training
     step): the blocks run in training mode for it (only training calls are compiled)."""
     devices = [s.device] if s.device.type == "cuda" else []
-    if s.compiled is None:
-        with torch.random.fork_rng(devices=devices):
-            return planner.measure_block(s.model, block, s.batch_shape, s.device, casts=s.casts)
-    modes = [(b, b.training) for b in s.blocks]
+    modes = [(b, b.training) for b in s.blocks] if s.compiled is not None else []
     try:
         with torch.random.fork_rng(devices=devices):
             for b, _ in modes:

@@ -169,16 +169,12 @@ class _UnderSettings:
             return self.inner(gm, example_inputs, **kwargs)
 
 
-_BACKENDS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _backend(backend) -> _UnderSettings:
     """The one :class:`_UnderSettings` of ``backend`` (a torch.compile backend name or callable)."""
     import torch._dynamo
 
-    if backend not in _BACKENDS:
-        _BACKENDS[backend] = _UnderSettings(torch._dynamo.lookup_backend(backend))
-    return _BACKENDS[backend]
+    return _UnderSettings(torch._dynamo.lookup_backend(backend))
 
 
 def inductor_usable(device: torch.device) -> bool:

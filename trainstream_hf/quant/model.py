@@ -191,8 +191,8 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
                       f"{' ...' if len(narrow) > 3 else ''}); int8 and fp8 take any width", RuntimeWarning,
                       stacklevel=3)
     # a bias that trains (PEFT's bias="all" / "lora_only") stays the Parameter it was, trainable, held by the optimizer
-    biases = {n: model.get_submodule(n).bias for n in frozen}
-    trained_bias = {n: b for n, b in biases.items() if isinstance(b, nn.Parameter) and b.requires_grad}
+    trained_bias = {n: b for n in frozen if isinstance(b := model.get_submodule(n).bias, nn.Parameter)
+                    and b.requires_grad}
     quantize_model(model, quantize, outliers, skip=tuple(keep) + tuple(narrow) + ("lm_head",), replaced=replaced)
     for n, bias in trained_bias.items():
         layer = model.get_submodule(n)
