@@ -149,5 +149,7 @@ def test_rows_decode_one_token_a_step_through_their_cache():
     model.forward = spy
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     kv = DynamicCache(config=model.config)
-    tokens, _ = cache._generate(model, ids, 4, kv)
+    tokens, seconds, arrivals = cache._generate(model, ids, 4, kv)
     assert seen == [16, 1, 1, 1] and kv.get_seq_length() == 16 + 3 and tokens.shape == (2, 4)
+    # one arrival a new token, in order, within the call: the prefill and the steps come from this one run
+    assert len(arrivals) == 4 and arrivals == sorted(arrivals) and 0 < arrivals[0] and arrivals[-1] <= seconds

@@ -8,8 +8,9 @@ Rows, on one model with random weights and one batch of random prompts, each set
   layers resident, the rest streamed from pinned host pages while earlier layers compute;
 * ``dynamic_offloaded``: ``DynamicCache(offloading=True)``, transformers' own offloaded cache.
 
-Each row reports the whole ``generate`` call's tokens per second, the prefill (a one-token ``generate``) and the mean
-decode step: ``(total - prefill) / (new - 1)``. A paged row's **floor** is the slowest of what it cannot avoid: the
+Each row reports the whole ``generate`` call's tokens per second, the prefill (the call's start to the first new
+token) and the mean decode step (the first new token to the last, over ``new - 1`` steps), both timed in the same
+runs by a streamer that notes each token's arrival on the host. A paged row's **floor** is the slowest of what it cannot avoid: the
 compute of a decode step (the ``dynamic`` row's step, every K/V on the device) and its offloaded layers' K/V bytes
 at the mean context length over the pinned host-to-device bandwidth measured in the same run; ``vs_floor`` is its
 step over that floor. ``same_tokens`` is the fraction of generated tokens equal to the ``dynamic`` row's.
@@ -88,16 +89,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate(model, ids: torch.Tensor, new: int, cache) -> tuple[torch.Tensor, float]:
+class _TokenClock:
+    """A ``generate`` streamer that notes when each new token reached the host (after the device's queue drained):
+    the prefill and the decode steps then come from one run, and no figure is a difference of two runs' timings."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self._prompt = device, [], True
+
+    def put(self, value) -> None:
+        if self._prompt:  # generate's first put is the prompt itself
+            self._prompt = False
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(model, ids: torch.Tensor, new: int, cache) -> tuple[torch.Tensor, float, list]:
+    """``generate`` of ``new`` tokens: the tokens, the whole call's seconds and, per new token, the seconds from the
+    call's start to the token's arrival."""
     from trainstream_hf.cache import cache_keyword
 
+    clock = _TokenClock(ids.device)
     _sync(ids.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0, **{cache_keyword(model): cache})
+                             min_new_tokens=new, do_sample=False, pad_token_id=0, streamer=clock,
+                             **{cache_keyword(model): cache})
     _sync(ids.device)
-    return out[:, ids.shape[1]:], time.perf_counter() - t0
+    return out[:, ids.shape[1]:], time.perf_counter() - t0, [t - t0 for t in clock.times]
 
 
 def kv_bytes_per_layer(shape: str, batch: int, tokens: int, element_size: int = 2) -> int:
@@ -113,11 +136,11 @@ def _once(row: str, model, ids: torch.Tensor, want: int, max_len: int) -> tuple[
     them)."""
     cache = _cache(row, model, max_len)
     try:
-        tokens, seconds = _generate(model, ids, want, cache)
+        tokens, seconds, arrivals = _generate(model, ids, want, cache)
     except BaseException:
         _close(cache, failed=True)
         raise
-    figures = {"offloaded_layers": len(getattr(cache, "offloaded_layers", []) or [])}
+    figures = {"offloaded_layers": len(getattr(cache, "offloaded_layers", []) or []), "arrivals": arrivals}
     if hasattr(cache, "stats"):
         figures["cache_stats"] = cache.stats()
     _close(cache, failed=False)
@@ -125,18 +148,19 @@ def _once(row: str, model, ids: torch.Tensor, want: int, max_len: int) -> tuple[
 
 
 def measure_row(row: str, model, ids: torch.Tensor, new: int, repeats: int) -> dict:
-    """One row: the median over ``repeats`` of a one-token ``generate`` (prefill) and of the whole ``new``-token one,
-    each with a fresh cache; the tokens of the last whole run."""
-    max_len = ids.shape[1] + new
-    prefill, total, out = [], [], {"row": row}
+    """One row: the medians over ``repeats`` whole ``new``-token ``generate`` runs, each with a fresh cache, of the
+    whole call, of the prefill (the call's start to the first new token) and of the mean decode step (the first new
+    token to the last, over ``new - 1`` steps); the tokens and cache figures of the last run."""
+    prefill, total, steps, out = [], [], [], {"row": row}
     for _ in range(repeats):
-        for want, into in ((1, prefill), (new, total)):
-            tokens, seconds, figures = _once(row, model, ids, want, max_len)
-            into.append(seconds)
-            if want == new:  # the last whole run's tokens and cache figures
-                out.update(tokens=tokens.cpu(), **figures)
+        tokens, seconds, figures = _once(row, model, ids, new, ids.shape[1] + new)
+        arrivals = figures.pop("arrivals")
+        total.append(seconds)
+        prefill.append(arrivals[0])
+        steps.append((arrivals[-1] - arrivals[0]) / max(1, len(arrivals) - 1))
+        out.update(tokens=tokens.cpu(), **figures)
     out["prefill_s"], out["total_s"] = statistics.median(prefill), statistics.median(total)
-    out["step_ms"] = (out["total_s"] - out["prefill_s"]) / max(1, new - 1) * 1e3
+    out["step_ms"] = statistics.median(steps) * 1e3
     out["tokens_per_s"] = ids.shape[0] * new / out["total_s"]
     return out
 
