@@ -285,3 +285,37 @@ def _run_logged(log: str, drop_env_prefix: str | None, fn, args) -> None:
     torch.set_num_threads(1)  # as the tests run (tests/conftest.py)
     fn(*args)
     sys.stdout.flush()
+
+
+def run_script(script: str, *args: str, cwd, logs, timeout: float = 300):
+    """``python script args...`` as a user runs it (``__main__``, ``sys.argv``, the script's folder first on
+    ``sys.path``, ``cwd``), forked from the warm server (:class:`WarmProcess`) instead of a fresh interpreter: a
+    ``subprocess.CompletedProcess`` with its exit status, stdout and stderr (kept in files under ``logs``)."""
+    import subprocess
+    from pathlib import Path
+
+    logs = Path(logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    out, err = logs / "stdout", logs / "stderr"
+    proc = WarmProcess(_run_script, str(out), str(err), str(cwd), script, list(args), log=logs / "log")
+    code = proc.wait(timeout)
+    return subprocess.CompletedProcess([script, *args], code, out.read_text(), err.read_text())
+
+
+def _run_script(out: str, err: str, cwd: str, script: str, args: list) -> None:
+    import os
+    import runpy
+    import sys
+
+    for path, fd in ((out, 1), (err, 2)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.chdir(cwd)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()

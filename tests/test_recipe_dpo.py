@@ -1,14 +1,12 @@
 """recipes/dpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from trainstream_hf.train.config import ConfigError
-from tests.helpers import png_panels
+from tests.helpers import png_panels, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "configs/dpo-tiny-cpu.yaml"]
@@ -131,8 +129,8 @@ def test_help_lists_the_dpo_options(dpo, capsys):
 
 def test_command_line_errors_are_one_line(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "recipes/dpo.py", *CONFIG, "--dpo.loss_type", "ipo", "--output_dir", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = run_script("recipes/dpo.py", *CONFIG, "--dpo.loss_type", "ipo", "--output_dir", str(out), cwd=ROOT,
+                   logs=tmp_path / "logs")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == ("recipes/dpo.py: error: dpo.loss_type: expected 'sigmoid' | 'hinge', "

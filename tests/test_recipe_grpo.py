@@ -1,13 +1,11 @@
 """recipes/grpo.py end to end on the CPU, in-process, on small overrides of its tiny config."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from trainstream_hf.train.config import ConfigError
-from tests.helpers import png_panels
+from tests.helpers import png_panels, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "configs/grpo-tiny-cpu.yaml"]
@@ -146,8 +144,8 @@ def test_bad_input_is_named_and_nothing_is_written(grpo, tmp_path, args, error, 
 
 def test_command_line_errors_are_one_line(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "recipes/grpo.py", *CONFIG, "--train.batch_size", "20", "--output_dir",
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = run_script("recipes/grpo.py", *CONFIG, "--train.batch_size", "20", "--output_dir", str(out), cwd=ROOT,
+                   logs=tmp_path / "logs")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainstream_hf.train.config import ConfigError
-from tests.helpers import png_panels
+from tests.helpers import png_panels, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "configs/sft-tiny-cpu.yaml"]
@@ -179,12 +179,9 @@ def test_unwritable_output_dir_fails_first(sft, tmp_path):
 
 def test_command_line_errors_are_one_line(tmp_path):
     """Run as a script, a bad option is a one-line error naming it (exit status 1), not a traceback."""
-    import subprocess
-    import sys
-
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "recipes/sft.py", *CONFIG, "--trainstream.grads", "sideways", "--output_dir",
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = run_script("recipes/sft.py", *CONFIG, "--trainstream.grads", "sideways", "--output_dir", str(out), cwd=ROOT,
+                   logs=tmp_path / "logs")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == ("recipes/sft.py: error: trainstream: grads: 'auto', 'device' or "

@@ -376,7 +376,7 @@ def test_out_of_memory_beside_a_kept_static_cache_says_what_is_outside_the_plan(
                                          args=_args(tmp_path / str(cache), max_steps=2), train_dataset=_prompts(),
                                          processing_class=tok, peft_config=LoraConfig(**LORA),
                                          trainstream_config=TrainStreamConfig(**ENGINE), generation_cache=cache,
-                                         compiled_generation=True)
+                                         compiled_generation=cache is not None)  # (no cache: nothing kept either way)
         compile_config = CompileConfig(backend="eager", mode=None)
         compile_config._compile_all_devices = True
         trainer.generation_config.compile_config = compile_config

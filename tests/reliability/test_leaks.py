@@ -16,7 +16,7 @@ import trainstream_hf as ts
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.wrap import Engine
 
-ROUNDS = 4
+ROUNDS = 3
 IDS = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
 # ~3.7 M parameters (15 MB in fp32): a model, its arena or its optimizer state kept per round shows in RSS
 # (measured after malloc_trim, RSS stays within 1 MiB from round to round)

@@ -1,14 +1,13 @@
 """The recipes' inputs fail loudly and early: a broken data file, an output directory that cannot be written and a
 run with no --config each give one line saying what is wrong and what to do, before any model is built."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from trainstream_hf.train import report
 from trainstream_hf.train.config import ConfigError
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"sft": "configs/sft-tiny-cpu.yaml", "dpo": "configs/dpo-tiny-cpu.yaml", "grpo": "configs/grpo-tiny-cpu.yaml"}
@@ -92,8 +91,8 @@ def test_script_without_config_says_which_it_runs_and_a_bad_line_is_one_line(tmp
     before anything is written."""
     path = _jsonl(tmp_path, GOOD + "{oops\n")
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "recipes/sft.py", "--data.train_file", str(path), "--output_dir", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_script("recipes/sft.py", "--data.train_file", str(path), "--output_dir", str(out), cwd=ROOT,
+                   logs=tmp_path / "logs")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
