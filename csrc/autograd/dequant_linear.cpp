@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "../include/autograd_common.h"
 #include "../include/trainstream.h"
 
 namespace trainstream {
@@ -134,12 +135,6 @@ at::Tensor dequant_linear_autograd(const at::Tensor& x, at::TensorList packed, c
 // where the adapter's term is comparable to the base's (the GPU test's adapter-dominated layer: 1.34x PEFT's mean
 // error against float64). Adding t in float32 instead would cost a (tokens, out_features) float32 pass per layer.
 // ---------------------------------------------------------------------------------------------------------------
-
-// Whether s is a power of two: a product scaled by it is exact in any floating dtype (barring overflow).
-bool power_of_two(double s) {
-  int exponent = 0;
-  return s > 0 && std::frexp(s, &exponent) == 0.5;
-}
 
 // y + s (a @ b), in y's place. Run eagerly: one addmm_, the product accumulated by the GEMM (beta = 1). Traced by
 // torch.compile, an in-place addmm_ is functionalized into addmm(y, a, b), which copies y into a new tensor before

@@ -74,6 +74,7 @@
 #include <string>
 #include <vector>
 
+#include "../include/autograd_common.h"
 #include "../include/trainstream.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
@@ -373,15 +374,6 @@ at::Tensor fp8_linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const at:
   const at::Tensor wt = given ? aligned(*w_t) : transpose.call(w);
   const at::Tensor ones = unit_scales(w.size(1), dy.options().dtype(at::kFloat));
   return scaled_mm_rowwise(gq, wt, sg, ones, dy.scalar_type());
-}
-
-// On the tensors torch.compile traces with (FakeTensor, FunctionalTensor: no data) the node calls the op itself and
-// its input gradient through the dispatcher, below autograd, which gives the registered fake kernels: a compiled
-// region holds the op whole (the kernels read data pointers: alignment, the kept quantization's key). On real
-// tensors it calls the kernels directly, as it always did (a TorchDispatchMode then sees the ops they dispatch).
-bool traced(const at::Tensor& t) {
-  return t.defined() &&
-         t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
 
 namespace {

@@ -27,6 +27,8 @@
 
 #include <cmath>
 
+#include "../include/autograd_common.h"
+
 namespace trainstream {
 namespace {
 
@@ -61,12 +63,6 @@ void check(const at::Tensor& result, const at::Tensor& x, const at::Tensor& a, c
 struct Forward {
   at::Tensor out, x2d, ya, a, b;  // out; what the backward needs (x2d: x as saved, b: times scaling if folded)
 };
-
-// Whether scaling is a power of two (folded into B, see the top of this file).
-bool power_of_two(double scaling) {
-  int exponent = 0;
-  return scaling > 0 && std::frexp(scaling, &exponent) == 0.5;
-}
 
 Forward forward_impl(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_a,
                      const at::Tensor& lora_b, double scaling) {

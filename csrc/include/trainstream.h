@@ -22,11 +22,6 @@ class module_;
 
 namespace trainstream {
 
-// csrc/autograd/fp8_linear.cpp ---------------------------------------------------------------
-// Whether t is a tensor torch.compile traces with (FakeTensor, FunctionalTensor: the Python or Functionalize dispatch
-// key; no data).
-bool traced(const at::Tensor& t);
-
 // csrc/cpu/adamw.cpp -------------------------------------------------------------------------
 // One AdamW step (torch.optim.AdamW maths, decoupled weight decay, bias correction) over fp32
 // master weights, in place. grad is fp32 or bf16; param_bf16, when given, receives bf16(param)
