@@ -141,6 +141,34 @@ def find_blocks(model: nn.Module, path: str | None = None) -> Blocks:
     return Blocks(model, name, tuple(found))
 
 
+def _check_placed_by_itself(model: nn.Module, name: str) -> None:
+    """Refuses a model whose weights something else already places or shards: Accelerate's ``device_map`` hooks
+    over several devices, FSDP (1 or 2), tensor parallelism (DTensor parameters) or a DeepSpeed engine. Each moves
+    or gathers weights at every forward on its own, where the engine pages them itself."""
+    classes = {c.__name__ for m in model.modules() for c in type(m).__mro__}
+    if "DeepSpeedEngine" in classes:
+        raise ValueError(f"{name} is a DeepSpeed engine: DeepSpeed and trainstream_hf both decide where the weights "
+                         "and optimizer state live; wrap the plain model (without deepspeed.initialize / "
+                         "--deepspeed) and let trainstream_hf offload")
+    if classes & {"FullyShardedDataParallel", "FSDPModule"}:
+        raise ValueError(f"{name} is sharded by FSDP: FSDP and trainstream_hf both decide where the weights live; "
+                         "wrap the unsharded model (on several GPUs trainstream_hf trains under "
+                         "DistributedDataParallel: the README's 'Several GPUs')")
+    dtensor = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"
+                    or type(getattr(p, "data", None)).__name__ == "DTensor"), None)
+    if dtensor is not None:
+        raise ValueError(f"{name} has sharded (DTensor) parameters, e.g. {dtensor} (tensor parallelism, tp_plan, or "
+                         "FSDP2): trainstream_hf pages whole parameters; load the model without tp_plan and wrap "
+                         "it unsharded")
+    device_map = getattr(model, "hf_device_map", None)
+    places = sorted({str(v) for v in device_map.values()}) if isinstance(device_map, dict) else []
+    if len(places) > 1:
+        raise ValueError(f"{name} was loaded with a device_map over {', '.join(places)}: Accelerate's hooks then move "
+                         "each layer's weights and inputs to its own device at every forward, where trainstream_hf "
+                         "places the weights itself; load it without device_map (into host RAM if it is larger than "
+                         "the GPU) and pass device='cuda' to wrap, which places it block by block")
+
+
 def _is_encoder_decoder(model: nn.Module) -> bool:
     for m in model.modules():
         if getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True:
@@ -157,10 +185,12 @@ def check_wrappable(model: nn.Module) -> None:
         model: what the user passed to ``wrap`` / ``plan``.
 
     Raises:
-        ValueError: an encoder-decoder model (T5, BART, Whisper, ...), a model without repeated blocks, or one
-            with parameters or buffers on the ``meta`` device (no values to train or page).
+        ValueError: an encoder-decoder model (T5, BART, Whisper, ...), a model without repeated blocks, one
+            with parameters or buffers on the ``meta`` device (no values to train or page), or one whose weights
+            something else places: a ``device_map`` over several devices, FSDP, tensor parallelism, DeepSpeed.
     """
     name = type(model).__name__
+    _check_placed_by_itself(model, name)
     if _is_encoder_decoder(model):
         raise ValueError(f"{name} is an encoder-decoder model, which trainstream_hf does not support; it trains "
                          f"{SUPPORTED}: use a decoder-only model (e.g. AutoModelForCausalLM.from_pretrained)")

@@ -95,6 +95,12 @@ class TrainStreamAccelerator(Accelerator):
         mi = next((i for i, o in enumerate(args) if isinstance(o, nn.Module)), None)
         oi = next((i for i, o in enumerate(args) if isinstance(o, torch.optim.Optimizer)), None)
         if mi is not None and engine_of(self.unwrap_model(args[mi])) is None:
+            kind = str(getattr(self.distributed_type, "value", self.distributed_type)).rsplit(".", 1)[-1]
+            if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+                raise ValueError(f"TrainStreamAccelerator: Accelerate runs with {kind}, which decides where the "
+                                 "weights and optimizer state live, as trainstream_hf does; use one: a launch config "
+                                 "without it (several GPUs: trainstream_hf trains under DistributedDataParallel, "
+                                 "--multi_gpu), or TRAINSTREAM=off")
             model = self.unwrap_model(args[mi])
             inner = getattr(args[oi], "optimizer", args[oi]) if oi is not None else None
             if inner is not None and (self.scaler is not None or getattr(args[oi], "scaler", None) is not None):

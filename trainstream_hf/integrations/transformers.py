@@ -114,6 +114,23 @@ def refuse_quantized_without_adapters(model: nn.Module, who: str) -> None:
                          "target_modules='all-linear'))")
 
 
+def refuse_sharded_training(args, who: str) -> None:
+    """A Trainer run with FSDP or DeepSpeed (``TrainingArguments`` ``fsdp`` / ``deepspeed``, or an ``accelerate
+    launch`` config that sets them): each decides where the weights and optimizer state live, as the engine does.
+    Raises ValueError saying to use one."""
+    state = getattr(args, "distributed_state", None)
+    kind = getattr(state, "distributed_type", None)
+    kind = str(getattr(kind, "value", kind) or "").rsplit(".", 1)[-1]
+    used = ("FSDP" if getattr(args, "fsdp", None) or kind == "FSDP" else
+            "DeepSpeed" if getattr(args, "deepspeed", None) or kind == "DEEPSPEED" else
+            "Megatron-LM" if kind == "MEGATRON_LM" else None)
+    if used is not None:
+        raise ValueError(f"{who}: the Trainer runs with {used}, which decides where the weights and optimizer state "
+                         f"live, as trainstream_hf does; use one: drop {used} (several GPUs: trainstream_hf trains "
+                         "under DistributedDataParallel, plain `accelerate launch --multi_gpu`), or set "
+                         "trainstream='off'")
+
+
 def training_autocast(args, device=None):
     """The autocast the Trainer's forward runs in for ``args`` (``bf16`` / ``fp16``; Accelerate's mixed precision),
     on ``device`` (default ``args.device``); a context that does nothing without mixed precision."""
@@ -172,6 +189,7 @@ class TrainStreamCallback(TrainerCallback):
         optimizer to use. A model not on ``args.device`` yet (the engine trainers skip the Trainer's own move) is
         placed there by the engine, paged blocks staying in host RAM."""
         refuse_quantized_without_adapters(model, "TrainStreamCallback")
+        refuse_sharded_training(args, "TrainStreamCallback")
         if self.config.optimizer_in_backward and args.max_grad_norm:
             raise ValueError(f"optimizer_in_backward=True updates each weight during backward, before the Trainer "
                              f"clips (max_grad_norm={args.max_grad_norm}): set max_grad_norm=0, or turn "
