@@ -874,6 +874,8 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         model.__dict__[name] = value
         undo.callback(model.__dict__.pop, name, None)
     _guard_layout(model, blocks, undo)
+    if pager is not None:  # last of the forwards' wrappers: a torch.compile of the whole model leaves the blocks out
+        undo.callback(hooks.keep_out_of_enclosing_compile())
 
 
 def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:

@@ -150,6 +150,27 @@ def _tensors(output: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(o)
 
 
+# torch._dynamo.disable of a call-through (made by BlockHooks.keep_out_of_enclosing_compile, not at import: dynamo is
+# heavy to import): a call to it from code dynamo traces breaks the graph there and runs the call eagerly, nested
+# torch.compile regions included.
+_EAGERLY: Callable | None = None
+
+
+def _eagerly() -> Callable:
+    global _EAGERLY
+    if _EAGERLY is None:
+        import torch._dynamo
+
+        _EAGERLY = torch._dynamo.disable(lambda fn, *args, **kwargs: fn(*args, **kwargs), recursive=True)
+    return _EAGERLY
+
+
+def _forward_outside_compile(inner: Callable, *args, **kwargs):
+    if torch.compiler.is_compiling():
+        return _EAGERLY(inner, *args, **kwargs)
+    return inner(*args, **kwargs)
+
+
 class BlockHooks:
     """One forward pre-hook / forward hook pair per block, shared by every engine component.
 
@@ -168,6 +189,7 @@ class BlockHooks:
         self._packs = False  # whether a listener takes saved tensors (else no saved-tensor hooks are pushed)
         self._frames: list[_Frame] = []
         self._backward_seen: dict[int, int] = {}
+        self._outside_compile = False  # keep_out_of_enclosing_compile
         self._handles = []
         for i, m in enumerate(self.layers):
             self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre, i)))
@@ -208,8 +230,36 @@ class BlockHooks:
         self._packs = False
         self._recover()
 
+    def keep_out_of_enclosing_compile(self) -> Callable[[], None]:
+        """Makes each block's call, its hooks included, run as without torch.compile when a torch.compile of the
+        whole model (``torch.compile(model)``, the Trainer's ``torch_compile=True``, a compiled ``generate``) traces
+        it: dynamo breaks the graph around the block and compiles what lies between (embedding, head, loss), while
+        the block runs eagerly, or as its own compiled region with ``compile_blocks``. For paged weights: the pager
+        swaps a parameter's ``data`` between an empty placeholder and a device slot, which a traced graph (its fake
+        tensors, its saved weights) cannot follow. Installs an instance ``forward`` on every block (call it after
+        anything else that wraps one); returns the function that restores them."""
+        _eagerly()
+        self._outside_compile = True
+        saved = []
+        for layer in self.layers:
+            inner = layer.__dict__.get("forward")
+            saved.append((layer, inner))
+            layer.__dict__["forward"] = functools.partial(
+                _forward_outside_compile, inner if inner is not None else type(layer).forward.__get__(layer))
+
+        def restore() -> None:
+            self._outside_compile = False
+            for layer, inner in reversed(saved):
+                if inner is None:
+                    layer.__dict__.pop("forward", None)
+                else:
+                    layer.__dict__["forward"] = inner
+        return restore
+
     # -- module hooks ---------------------------------------------------------------------------
     def _pre(self, i: int, module: nn.Module, args) -> None:
+        if self._outside_compile and torch.compiler.is_compiling():
+            return _EAGERLY(self._pre, i, module, args)
         if self._stand_aside():
             return
         if in_backward():
@@ -250,6 +300,8 @@ class BlockHooks:
             not any(listener.needed_when_compiled for listener in self._listeners)
 
     def _post(self, i: int, module: nn.Module, args, output) -> None:
+        if self._outside_compile and torch.compiler.is_compiling():
+            return _EAGERLY(self._post, i, module, args, output)
         if self._stand_aside():
             return  # (see _pre)
         if not self._frames or self._frames[-1].block != i:
