@@ -99,3 +99,31 @@ def test_the_adapters_sums_are_no_addmm_in_the_traced_graphs(autocast):
     torch.testing.assert_close(y1, y0, rtol=1e-2, atol=1e-2)
     for u, v in zip(g0, g1):
         torch.testing.assert_close(v.float(), u.float(), rtol=2e-2, atol=2e-2 * u.abs().max().item())
+
+
+def test_torch_compile_of_a_wrapped_model_with_paged_weights_trains_on_cuda():
+    """torch.compile (inductor) over the whole wrapped model whose plan pages every block's nf4 base through device
+    slots on the copy stream (the Trainer's torch_compile=True over a model larger than the GPU): the blocks run
+    outside the enclosing graph, so it trains as eager does, loss for loss within inductor's rounding of the head."""
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(3)).cuda()
+    curves = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _lora_over("nf4", 3, hidden=256).cuda()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        model, opt = ts.wrap(model, opt, device="cuda", vram_budget="8GiB", page_weights=True, min_offload_numel=0,
+                             batch_shape=tuple(ids.shape))
+        assert len(model.trainstream_plan.paged_blocks) == 3
+        run = torch.compile(model) if compiled else model
+        losses = []
+        for _ in range(4):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert model.trainstream_stats()["weights"]["h2d_bytes"] > 0
+        ts.unwrap(model)
+        curves[compiled] = losses
+    assert max(abs(a - b) for a, b in zip(curves[False], curves[True])) <= 1e-2 * abs(curves[False][0]), curves
