@@ -1,7 +1,6 @@
 """A model whose weights something else places or shards is refused in one line saying what to do, before anything
 changes: Accelerate's device_map over several devices, FSDP (2), tensor-parallel DTensor parameters, a DeepSpeed
 engine; and a Trainer or Accelerator set up for FSDP or DeepSpeed."""
-import os
 import socket
 from types import SimpleNamespace
 
