@@ -287,22 +287,26 @@ def _run_logged(log: str, drop_env_prefix: str | None, fn, args) -> None:
     sys.stdout.flush()
 
 
-def run_script(script: str, *args: str, cwd, logs, timeout: float = 300):
-    """``python script args...`` as a user runs it (``__main__``, ``sys.argv``, the script's folder first on
-    ``sys.path``, ``cwd``), forked from the warm server (:class:`WarmProcess`) instead of a fresh interpreter: a
-    ``subprocess.CompletedProcess`` with its exit status, stdout and stderr (kept in files under ``logs``)."""
+def run_script(script: str, *args: str, cwd, logs, env: dict | None = None, module: bool = False,
+               timeout: float = 300):
+    """``python script args...`` (``python -m script args...`` with ``module``) as a user runs it (``__main__``,
+    ``sys.argv``, the script's folder first on ``sys.path``, ``cwd``, ``env`` over the environment without the
+    ``TRAINSTREAM*`` variables), forked from the warm server (:class:`WarmProcess`) instead of a fresh interpreter: a
+    ``subprocess.CompletedProcess`` with its exit status, stdout and stderr (kept in files under ``logs``). Not for
+    what happens before torch or transformers are imported (the server imported them)."""
     import subprocess
     from pathlib import Path
 
     logs = Path(logs)
     logs.mkdir(parents=True, exist_ok=True)
     out, err = logs / "stdout", logs / "stderr"
-    proc = WarmProcess(_run_script, str(out), str(err), str(cwd), script, list(args), log=logs / "log")
+    proc = WarmProcess(_run_script, str(out), str(err), str(cwd), script, list(args), dict(env or {}), module,
+                       log=logs / "log", drop_env_prefix="TRAINSTREAM")
     code = proc.wait(timeout)
     return subprocess.CompletedProcess([script, *args], code, out.read_text(), err.read_text())
 
 
-def _run_script(out: str, err: str, cwd: str, script: str, args: list) -> None:
+def _run_script(out: str, err: str, cwd: str, script: str, args: list, env: dict, module: bool) -> None:
     import os
     import runpy
     import sys
@@ -311,11 +315,17 @@ def _run_script(out: str, err: str, cwd: str, script: str, args: list) -> None:
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            sys.argv = [script, *args]  # (runpy puts the module's file first)
+            sys.path.insert(0, cwd)
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -16,7 +16,7 @@ import trainstream_hf as ts
 from trainstream_hf.auto import env_config, parse_value
 from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.integrations.transformers import TrainStreamCallback, TrainStreamEnvCallback
-from tests.helpers import tiny_llama
+from tests.helpers import run_script, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -65,6 +65,14 @@ def _run(cmd, extra, cwd) -> tuple[dict | None, subprocess.CompletedProcess]:
     return (json.loads(lines[-1][7:]) if lines else None), r
 
 
+def _warm(script, args, extra, cwd, logs, module=False) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """:func:`_run` forked from the warm server (tests.helpers.run_script): for runs that do not test what happens
+    before torch is imported."""
+    r = run_script(str(script), *map(str, args), cwd=cwd, logs=logs, env=extra, module=module)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    return (json.loads(lines[-1][7:]) if lines else None), r
+
+
 def _engine_ran(result: dict) -> bool:
     logged = [h for h in result["log_history"] if "loss" in h]
     return len(logged) == 4 and all("trainstream/h2d_GBps" in h for h in logged[1:])  # step 1 closes at step 2
@@ -73,7 +81,7 @@ def _engine_ran(result: dict) -> bool:
 @pytest.fixture(scope="module")
 def plain(script):
     """The script as it is, no variables: the reference run."""
-    result, r = _run([PY, str(script), str(script.parent / "out")], {}, script.parent)
+    result, r = _warm(script, [script.parent / "out"], {}, script.parent, script.parent / "plain-logs")
     assert r.returncode == 0, r.stderr
     return result
 
@@ -90,9 +98,10 @@ def test_unset_changes_nothing(script, plain, tmp_path):
     boot = f"import site, runpy, sys; site.addsitedir({str(site)!r}); sys.argv = sys.argv[1:]; " \
            "assert 'trainstream_hf_autostart' not in sys.modules; runpy.run_path(sys.argv[0], run_name='__main__')"
     # unset (options alone do nothing) through the start-up hook; off (options not even read) through the launcher
-    for cmd, extra in (([PY, "-c", boot], {"TRAINSTREAM_VRAM_BUDGET": "1GiB"}),
-                       ([PY, "-m", "trainstream_hf.auto"], {"TRAINSTREAM": "off", "TRAINSTREAM_BOGUS": "x"})):
-        result, r = _run(cmd + [str(script), str(tmp_path / "out")], extra, ROOT)
+    hooked = _run([PY, "-c", boot, str(script), str(tmp_path / "out")], {"TRAINSTREAM_VRAM_BUDGET": "1GiB"}, ROOT)
+    launched = _warm("trainstream_hf.auto", [script, tmp_path / "out"], {"TRAINSTREAM": "off", "TRAINSTREAM_BOGUS": "x"},
+                     ROOT, tmp_path / "logs", module=True)
+    for result, r in (hooked, launched):
         assert r.returncode == 0, r.stderr
         assert result["callbacks"] == plain["callbacks"] and result["weight_sum"] == plain["weight_sum"]
         assert "trainstream_hf" not in r.stderr
@@ -186,7 +195,7 @@ def test_startup_hook_installs_the_engine(script, tmp_path):
      "TRAINSTREAM_QUANTIZE, TRAINSTREAM_OUTLIERS, TRAINSTREAM_VRAM_BUDGET"),
 ])
 def test_launcher_refuses_bad_variables_before_the_script(script, tmp_path, extra, message):
-    _, r = _run([PY, "-m", "trainstream_hf.auto", str(script), str(tmp_path / "out")], extra, ROOT)
+    _, r = _warm("trainstream_hf.auto", [script, tmp_path / "out"], extra, ROOT, tmp_path / "logs", module=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith(f"trainstream_hf.auto: {message}")
     assert not (tmp_path / "out").exists()  # the script never started
