@@ -106,6 +106,8 @@ def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
     need = NEEDS.get(ROWS[row][2])
     if need is not None and importlib.util.find_spec(need) is None:
         return {"row": row, "label": label, "status": f"not run: {need} not installed"}
+    if row in UNSLOTH and torch.version.cuda is None:  # a torch built without CUDA (the row's child would say so)
+        return {"row": row, "label": label, "status": "not run: Unsloth needs a CUDA GPU"}
     env = None
     if row in UNSLOTH:
         from trainstream_hf.bench.unsloth import child_env
