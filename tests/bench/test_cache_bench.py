@@ -25,6 +25,7 @@ def test_every_row_decodes_the_dynamic_caches_tokens_and_paged_rows_get_a_floor(
         r = rows[name]
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["step_ms"] > 0
         assert r["same_tokens"] == 1.0 and len(r["tokens"]) == 2 and len(r["tokens"][0]) == 8  # greedy, exact
+        assert r["first_difference"] == [8, 8]  # (no token differs: each sequence's length)
     assert [rows[n]["offloaded_layers"] for n in ("ts_1.0", "ts_0.5", "ts_0.0")] == [0, layers // 2, layers]
     for name in ("ts_1.0", "ts_0.5", "ts_0.0"):  # no bandwidth on the CPU: the floor is the compute step
         assert rows[name]["floor_ms"] == rows["dynamic"]["step_ms"]
@@ -153,3 +154,31 @@ def test_rows_decode_one_token_a_step_through_their_cache():
     assert seen == [16, 1, 1, 1] and kv.get_seq_length() == 16 + 3 and tokens.shape == (2, 4)
     # one arrival a new token, in order, within the call: the prefill and the steps come from this one run
     assert len(arrivals) == 4 and arrivals == sorted(arrivals) and 0 < arrivals[0] and arrivals[-1] <= seconds
+
+
+def test_first_difference_is_per_sequence():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert cache._first_difference([[1, 2, 9, 4], [0, 6, 7, 8]], ref) == [2, 0]
+    assert cache._first_difference(ref, ref) == [4, 4] and cache._first_difference([[1, 2]], ref) is None
+
+
+def test_a_deeper_prefetch_row_decodes_the_same_tokens(tmp_path):
+    """``ts_0.5_p2`` (asked for by name): resident=0.5 with two offloaded layers copied ahead, three slots."""
+    made = []
+    real = cache._cache
+
+    def spy(row, model, max_cache_len):
+        kv = real(row, model, max_cache_len)
+        made.append((row, getattr(kv, "num_slots", None), getattr(kv, "num_prefetch", None)))
+        return kv
+
+    cache._cache = spy
+    try:
+        payload, _ = cache.run(quick=True, rows=["dynamic", "ts_0.5_p2"], repeats=1)
+    finally:
+        cache._cache = real
+    rows = {r["row"]: r for r in payload["results"]}
+    assert rows["ts_0.5_p2"]["status"] == "ok" and rows["ts_0.5_p2"]["same_tokens"] == 1.0
+    assert ("ts_0.5_p2", 3, 2) in made
+    with pytest.raises(ValueError, match="unknown row"):
+        cache.run(quick=True, rows=["ts_0.5_p9"])

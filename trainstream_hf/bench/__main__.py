@@ -17,7 +17,7 @@ import re
 import torch
 
 from trainstream_hf.bench import common
-from trainstream_hf.bench.cache import ROWS as CACHE_ROWS
+from trainstream_hf.bench.cache import ALL_ROWS as CACHE_ROWS
 from trainstream_hf.bench.models import SHAPES, model_config, shape_label
 from trainstream_hf.bench.host import ROWS as HOST_ROWS
 from trainstream_hf.bench.table import ROWS as TABLE_ROWS

@@ -6,14 +6,17 @@ Rows, on one model with random weights and one batch of random prompts, each set
 * ``dynamic``: transformers' ``DynamicCache`` (every layer's K/V on the device);
 * ``ts_1.0``, ``ts_0.5``, ``ts_0.0``: :class:`~trainstream_hf.cache.TrainStreamCache` with that fraction of the
   layers resident, the rest streamed from pinned host pages while earlier layers compute;
-* ``dynamic_offloaded``: ``DynamicCache(offloading=True)``, transformers' own offloaded cache.
+* ``dynamic_offloaded``: ``DynamicCache(offloading=True)``, transformers' own offloaded cache;
+* by name only (``--peers``): ``ts_0.5_p2``, ``ts_0.5_p3``, resident 0.5 with 2 or 3 offloaded layers copied ahead.
 
 Each row reports the whole ``generate`` call's tokens per second, the prefill (the call's start to the first new
 token) and the mean decode step (the first new token to the last, over ``new - 1`` steps), both timed in the same
 runs by a streamer that notes each token's arrival on the host. A paged row's **floor** is the slowest of what it cannot avoid: the
 compute of a decode step (the ``dynamic`` row's step, every K/V on the device) and its offloaded layers' K/V bytes
 at the mean context length over the pinned host-to-device bandwidth measured in the same run; ``vs_floor`` is its
-step over that floor. ``same_tokens`` is the fraction of generated tokens equal to the ``dynamic`` row's.
+step over that floor. ``same_tokens`` is the fraction of generated tokens equal to the ``dynamic`` row's, and
+``first_difference`` per sequence the index of the first one that differs (``_first_difference`` says why greedy
+decoding of random bf16 weights parts anyway).
 
 Every row (one cache at one setting) runs in a child process of its own (``python -m trainstream_hf.bench.cache
 --child ROW ...``), which builds the model (the same seeded weights in each) and the prompts (the same seed) itself,
@@ -52,6 +55,10 @@ from trainstream_hf.bench.models import build_model, model_config
 from trainstream_hf.engine.arena import host_memory_available
 
 ROWS = ("dynamic", "ts_1.0", "ts_0.5", "ts_0.0", "dynamic_offloaded")
+# Asked for by name (--peers): TrainStreamCache at resident=0.5 copying k offloaded layers ahead (slots k + 1) instead
+# of the default one; each slot is one more layer's K/V on the device.
+OPTIONAL_ROWS = ("ts_0.5_p2", "ts_0.5_p3")
+ALL_ROWS = ROWS + OPTIONAL_ROWS
 SETTINGS = ((8, 2048, 128), (32, 1024, 64))  # (batch, prompt tokens, new tokens): the table of issue 27
 COLUMNS = ("setting", "row", "status", "tokens_per_s", "prefill_s", "step_ms", "floor_ms", "vs_floor",
            "offloaded_layers", "same_tokens")
@@ -69,7 +76,10 @@ def _cache(row: str, model, max_cache_len: int):
         return DynamicCache(config=model.config)
     if row == "dynamic_offloaded":
         return DynamicCache(config=model.config, offloading=True)
-    return TrainStreamCache(model, resident=float(row[3:]), max_cache_len=max_cache_len)
+    resident, _, ahead = row[3:].partition("_p")
+    prefetch = int(ahead) if ahead else 1
+    return TrainStreamCache(model, resident=float(resident), max_cache_len=max_cache_len, prefetch=prefetch,
+                            slots=max(2, prefetch + 1))
 
 
 def _close(cache, failed: bool) -> None:
@@ -262,6 +272,18 @@ def _same_tokens(tokens: list, ref: list) -> Optional[float]:
     return float((a == b).float().mean()) if a.shape == b.shape else None
 
 
+def _first_difference(tokens: list, ref: list) -> Optional[list[int]]:
+    """Per sequence, the index of the first generated token that differs from ``ref``'s (its length where none does;
+    None where the shapes differ). Greedy decoding of random bf16 weights meets near-ties in the logits, where any
+    other summation order (another attention kernel, another K/V layout) picks another token and the rest of the
+    sequence follows it: a divergence late in a sequence says that, one at token 0 a wrong prefill."""
+    a, b = torch.tensor(tokens), torch.tensor(ref)
+    if a.shape != b.shape:
+        return None
+    differs = a != b
+    return [int(d.nonzero()[0, 0]) if d.any() else int(d.numel()) for d in differs]
+
+
 def _setting_rows(measured: list[dict], shape: str, batch: int, prompt: int, new: int, bandwidth: dict,
                   quick: bool) -> list[dict]:
     """A setting's rows so far as the payload holds them: each with its ``setting``, and each ``ok`` one with
@@ -275,6 +297,7 @@ def _setting_rows(measured: list[dict], shape: str, batch: int, prompt: int, new
         if m["status"] == "ok":
             if ref is not None:
                 m["same_tokens"] = _same_tokens(m["tokens"], ref["tokens"])
+                m["first_difference"] = _first_difference(m["tokens"], ref["tokens"])
             if m["row"].startswith("ts_") and ref is not None:
                 kv = m["offloaded_layers"] * kv_bytes_per_layer(shape, batch, mean_ctx)
                 copy_ms = kv / (bandwidth["h2d_GBps"] * 1e9) * 1e3 if bandwidth.get("h2d_GBps") else 0.0
@@ -313,9 +336,9 @@ def run(*, shape: Optional[str] = None, settings=None, rows: Optional[list[str]]
     from trainstream_hf.bench.peers import measure_pinned_bandwidth
 
     rows = list(ROWS) if rows is None else rows
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if r not in ALL_ROWS]
     if unknown:
-        raise ValueError(f"bench cache: unknown row(s) {unknown}; choose from {', '.join(ROWS)}")
+        raise ValueError(f"bench cache: unknown row(s) {unknown}; choose from {', '.join(ALL_ROWS)}")
     if row_timeout is not None and not row_timeout > 0:
         raise ValueError(f"bench cache: row_timeout {row_timeout}: give the seconds a row may run (> 0), or None "
                          "for no limit")
