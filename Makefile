@@ -9,10 +9,15 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: test demo bench-micro bench-sqnr build gpu-check clean
 
-$(VENV)/.ready: pyproject.toml setup.py
+# What the extension's build needs (torch and the build tools), then the package and its dependencies: `make test`
+# runs the build and the second install at once (the one compiles on the cores, the other mostly waits on downloads).
+$(VENV)/.torch:
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q setuptools wheel pybind11 ninja
+	touch $@
+
+$(VENV)/.ready: $(VENV)/.torch pyproject.toml setup.py
 	TRAINSTREAM_SKIP_EXT=1 $(VPY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $@
 
@@ -30,7 +35,7 @@ $(VENV)/.weights: $(VENV)/.ready
 EXT := $(firstword $(wildcard trainstream_hf/_C*.so) trainstream_hf/_C.so)
 EXT_SOURCES := $(shell find csrc -type f) setup.py
 
-$(EXT): $(VENV)/.ready $(EXT_SOURCES)
+$(EXT): $(VENV)/.torch $(EXT_SOURCES)
 	MAX_JOBS=$(JOBS) $(VPY) setup.py -q build_ext --inplace
 	touch trainstream_hf/_C*.so
 
@@ -39,14 +44,15 @@ build: $(EXT)
 # Two pytest workers (pytest-xdist): the suite's processes and threads are its own, so two cores finish it in
 # about three quarters of the time (2026-12-06: 368 s -> 279 s on the 2-core dev machine). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
-test: build $(VENV)/.weights
+test:
+	$(MAKE) -j2 build $(VENV)/.weights
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) tests
 
-demo: build
+demo: build $(VENV)/.ready
 	$(VPY) recipes/sft.py --config configs/sft-tiny-cpu.yaml
 
 # The micro-benchmarks (copies, pinning, CPU AdamW): markdown on stdout, JSON under build/bench-micro/.
-bench-micro: build
+bench-micro: build $(VENV)/.ready
 	$(VPY) -m trainstream_hf.bench micro --out build/bench-micro
 
 # Quantization SQNR of all-MiniLM-L6-v2's linear layers per format (CPU): the JSON README quotes.
