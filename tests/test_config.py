@@ -11,7 +11,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["48 parsecs", "GiB", "-1", -5, 1.5, True, [1]])
+@pytest.mark.parametrize("bad", ["48 parsecs", "GiB", "-1", -5, 1.5, True, [1], "0.5", "1.5 "])
 def test_parse_bytes_rejects(bad):
     with pytest.raises((ValueError, TypeError), match="size"):
         parse_bytes(bad)
@@ -36,6 +36,9 @@ def test_config_defaults_and_dict():
     ({"outliers": 0.7}, r"\[0, 0.5\]"),
     ({"vram_budget": 1.5}, "fraction"),
     ({"vram_budget": "lots"}, "cannot parse"),
+    ({"vram_budget": 24}, r"vram_budget: 24 is 24 bytes, less than any model needs: give the unit \('24GiB'\)"),
+    ({"vram_budget": "0.5"}, "a byte count must be whole"),
+    ({"vram_budget": "24"}, "'24' is 24 bytes"),
     ({"host_arena": "48 GiBs"}, "cannot parse"),
     ({"host_arena_slab": "1MiB"}, "2 MiB"),
     ({"fused_loss": "sometimes"}, "fused_loss"),

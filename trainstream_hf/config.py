@@ -41,6 +41,8 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
         if m is None or unit not in _UNITS:
             raise ValueError(f"{name}: cannot parse {value!r}; use e.g. '48GiB', '512MiB', '2GB' or a "
                              "number of bytes")
+        if not unit and not float(m.group(1)).is_integer():  # "0.5": no unit to scale it by, not a byte count
+            raise ValueError(f"{name}: a byte count must be whole, got {value!r}; give a unit ('1.5GiB')")
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
         raise TypeError(f"{name}: expected int or str such as '48GiB', got {type(value).__name__}")
@@ -216,8 +218,11 @@ class TrainStreamConfig:
             if not 0.0 < self.vram_budget <= 1.0:
                 raise ValueError(f"vram_budget: a float is a fraction of device memory in (0, 1], got "
                                  f"{self.vram_budget!r}; pass bytes as an int or a string like '24GiB'")
-        elif self.vram_budget != "auto":
-            parse_bytes(self.vram_budget, name="vram_budget")
+        elif self.vram_budget != "auto" and parse_bytes(self.vram_budget, name="vram_budget") < 2**20 and (
+                isinstance(self.vram_budget, int) or not _SIZE_RE.match(self.vram_budget).group(2)):
+            # a bare number that small is a unit left out (24 for 24 GiB), not a budget
+            raise ValueError(f"vram_budget: {self.vram_budget!r} is {parse_bytes(self.vram_budget)} bytes, less than "
+                             "any model needs: give the unit ('24GiB'), or a float fraction of device memory (0.9)")
         if self.host_arena not in ("auto", None):
             parse_bytes(self.host_arena, name="host_arena")
         if parse_bytes(self.host_arena_slab, name="host_arena_slab") < 2**21:
