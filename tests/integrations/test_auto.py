@@ -99,8 +99,8 @@ def test_unset_changes_nothing(script, plain, tmp_path):
            "assert 'trainstream_hf_autostart' not in sys.modules; runpy.run_path(sys.argv[0], run_name='__main__')"
     # unset (options alone do nothing) through the start-up hook; off (options not even read) through the launcher
     hooked = _run([PY, "-c", boot, str(script), str(tmp_path / "out")], {"TRAINSTREAM_VRAM_BUDGET": "1GiB"}, ROOT)
-    launched = _warm("trainstream_hf.auto", [script, tmp_path / "out"], {"TRAINSTREAM": "off", "TRAINSTREAM_BOGUS": "x"},
-                     ROOT, tmp_path / "logs", module=True)
+    launched = _warm("trainstream_hf.auto", [script, tmp_path / "out"],
+                     {"TRAINSTREAM": "off", "TRAINSTREAM_BOGUS": "x"}, ROOT, tmp_path / "logs", module=True)
     for result, r in (hooked, launched):
         assert r.returncode == 0, r.stderr
         assert result["callbacks"] == plain["callbacks"] and result["weight_sum"] == plain["weight_sum"]

@@ -99,8 +99,8 @@ def test_a_deepspeed_engine_is_refused():
     (SimpleNamespace(fsdp=True, deepspeed=None), "FSDP"),
     (SimpleNamespace(fsdp=["full_shard"], deepspeed=None), "FSDP"),
     (SimpleNamespace(fsdp=None, deepspeed="ds_config.json"), "DeepSpeed"),
-    (SimpleNamespace(fsdp=None, deepspeed=None, distributed_state=SimpleNamespace(distributed_type=DistributedType.FSDP)),
-     "FSDP"),
+    (SimpleNamespace(fsdp=None, deepspeed=None,
+                     distributed_state=SimpleNamespace(distributed_type=DistributedType.FSDP)), "FSDP"),
     (SimpleNamespace(fsdp=None, deepspeed=None,
                      distributed_state=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)), "DeepSpeed"),
 ])

@@ -11,12 +11,12 @@ Rows, on one model with random weights and one batch of random prompts, each set
 
 Each row reports the whole ``generate`` call's tokens per second, the prefill (the call's start to the first new
 token) and the mean decode step (the first new token to the last, over ``new - 1`` steps), both timed in the same
-runs by a streamer that notes each token's arrival on the host. A paged row's **floor** is the slowest of what it cannot avoid: the
-compute of a decode step (the ``dynamic`` row's step, every K/V on the device) and its offloaded layers' K/V bytes
-at the mean context length over the pinned host-to-device bandwidth measured in the same run; ``vs_floor`` is its
-step over that floor. ``same_tokens`` is the fraction of generated tokens equal to the ``dynamic`` row's, and
-``first_difference`` per sequence the index of the first one that differs (``_first_difference`` says why greedy
-decoding of random bf16 weights parts anyway).
+runs by a streamer that notes each token's arrival on the host. A paged row's **floor** is the slowest of what it
+cannot avoid: the compute of a decode step (the ``dynamic`` row's step, every K/V on the device) and its offloaded
+layers' K/V bytes at the mean context length over the pinned host-to-device bandwidth measured in the same run;
+``vs_floor`` is its step over that floor. ``same_tokens`` is the fraction of generated tokens equal to the
+``dynamic`` row's, and ``first_difference`` per sequence the index of the first one that differs
+(``_first_difference`` says why greedy decoding of random bf16 weights parts anyway).
 
 Every row (one cache at one setting) runs in a child process of its own (``python -m trainstream_hf.bench.cache
 --child ROW ...``), which builds the model (the same seeded weights in each) and the prompts (the same seed) itself,
