@@ -88,12 +88,13 @@ def _engines(model: nn.Module) -> Iterator:
 
 
 def _refuse_compiled_paging(trainer, policy: nn.Module) -> None:
-    """compiled_generation with paged block weights: the traced decode step cannot fetch them; eager, said once."""
+    """compiled_generation with paged block weights: those blocks would run outside the compiled decode step's graph
+    (BlockHooks.keep_out_of_enclosing_compile), breaking it at each, for no gain over eager; eager, said once."""
     for engine in _engines(policy):
         if engine.plan is not None and engine.plan.paged_blocks:
             warnings.warn(f"compiled_generation: the plan pages {len(engine.plan.paged_blocks)} blocks' weights, which "
-                          "a compiled decode step cannot fetch; generating eagerly (a larger vram_budget keeps every "
-                          "block on the device)", RuntimeWarning, stacklevel=3)
+                          "a compiled decode step would run outside its graph, breaking it at each; generating eagerly "
+                          "(a larger vram_budget keeps every block on the device)", RuntimeWarning, stacklevel=3)
             trainer.generation_config.disable_compile = True
             return
 
