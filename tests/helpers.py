@@ -317,13 +317,12 @@ def _run_script(out: str, err: str, cwd: str, script: str, args: list, env: dict
         os.close(f)
     os.environ.update(env)
     os.chdir(cwd)
+    sys.argv = [script, *args]  # (run_module puts the module's file first)
     try:
         if module:
-            sys.argv = [script, *args]  # (runpy puts the module's file first)
             sys.path.insert(0, cwd)
             runpy.run_module(script, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [script, *args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
     finally:

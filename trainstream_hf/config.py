@@ -218,11 +218,12 @@ class TrainStreamConfig:
             if not 0.0 < self.vram_budget <= 1.0:
                 raise ValueError(f"vram_budget: a float is a fraction of device memory in (0, 1], got "
                                  f"{self.vram_budget!r}; pass bytes as an int or a string like '24GiB'")
-        elif self.vram_budget != "auto" and parse_bytes(self.vram_budget, name="vram_budget") < 2**20 and (
-                isinstance(self.vram_budget, int) or not _SIZE_RE.match(self.vram_budget).group(2)):
-            # a bare number that small is a unit left out (24 for 24 GiB), not a budget
-            raise ValueError(f"vram_budget: {self.vram_budget!r} is {parse_bytes(self.vram_budget)} bytes, less than "
-                             "any model needs: give the unit ('24GiB'), or a float fraction of device memory (0.9)")
+        elif self.vram_budget != "auto":
+            n = parse_bytes(self.vram_budget, name="vram_budget")
+            bare = isinstance(self.vram_budget, int) or not _SIZE_RE.match(self.vram_budget).group(2)
+            if bare and n < 2**20:  # a bare number that small is a unit left out (24 for 24 GiB), not a budget
+                raise ValueError(f"vram_budget: {self.vram_budget!r} is {n} bytes, less than any model needs: give "
+                                 "the unit ('24GiB'), or a float fraction of device memory (0.9)")
         if self.host_arena not in ("auto", None):
             parse_bytes(self.host_arena, name="host_arena")
         if parse_bytes(self.host_arena_slab, name="host_arena_slab") < 2**21:

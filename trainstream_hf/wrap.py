@@ -41,7 +41,7 @@ from trainstream_hf.engine.compiled import CompiledBlocks, drop_cache, inductor_
 from trainstream_hf.engine.embedding import HostEmbedding, hostable
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
-from trainstream_hf.engine.hooks import BlockHooks, BlockListener
+from trainstream_hf.engine.hooks import BlockHooks, BlockListener, forward_outside_compile
 from trainstream_hf.engine.norms import FusedNorms
 from trainstream_hf.engine.optimizer import OFFLOADABLE, OffloadedAdamW
 from trainstream_hf.engine.peer import Peers
@@ -875,7 +875,12 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         undo.callback(model.__dict__.pop, name, None)
     _guard_layout(model, blocks, undo)
     if pager is not None:  # last of the forwards' wrappers: a torch.compile of the whole model leaves the blocks out
-        undo.callback(hooks.keep_out_of_enclosing_compile())
+        hooks.keep_out_of_enclosing_compile()
+        undo.callback(hooks.keep_out_of_enclosing_compile, False)
+        for layer in blocks:
+            undo.callback(_restore_attr, layer, "forward", layer.__dict__.get("forward", _MISSING))
+            inner = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
+            layer.__dict__["forward"] = functools.partial(forward_outside_compile, inner)
 
 
 def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:

@@ -107,7 +107,8 @@ def _child(row: str, args: dict, timeout: Optional[float]) -> dict:
     if need is not None and importlib.util.find_spec(need) is None:
         return {"row": row, "label": label, "status": f"not run: {need} not installed"}
     if row in UNSLOTH and torch.version.cuda is None:  # a torch built without CUDA (the row's child would say so)
-        return {"row": row, "label": label, "status": "not run: Unsloth needs a CUDA GPU"}
+        from trainstream_hf.bench.unsloth import NEEDS_CUDA
+        return {"row": row, "label": label, "status": f"not run: {NEEDS_CUDA}"}
     env = None
     if row in UNSLOTH:
         from trainstream_hf.bench.unsloth import child_env

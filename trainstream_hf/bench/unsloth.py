@@ -31,6 +31,7 @@ from trainstream_hf.bench.harness import default_device, measure_training, not_r
 
 SITE_ENV = "TRAINSTREAM_UNSLOTH_SITE"
 MODELS_ENV = "TRAINSTREAM_BENCH_MODELS"
+NEEDS_CUDA = "Unsloth needs a CUDA GPU"  # why its rows do not run without one
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,7 +100,7 @@ def unsloth_lora(shape: str = "llama3-8b", grad_ckpt: bool = False, *, batch: in
     fields = dict(peer="unsloth", shape=shape, grad_ckpt=grad_ckpt, batch=batch, seq=seq)
     name = f"Unsloth 4-bit + LoRA r16{', its checkpointing' if grad_ckpt else ''}"
     if device.type != "cuda":
-        return not_run(name, "Unsloth needs a CUDA GPU", **fields)
+        return not_run(name, NEEDS_CUDA, **fields)
     if importlib.util.find_spec("unsloth") is None:
         return not_run(name, f"unsloth is not importable: run scripts/unsloth-wheels.sh, install the folder with "
                              f"pip --target DIR and set {SITE_ENV}=DIR (scripts/gpu_table.sh does both)", **fields)

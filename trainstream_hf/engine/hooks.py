@@ -156,16 +156,9 @@ def _tensors(output: Any) -> Iterable[torch.Tensor]:
 _EAGERLY: Callable | None = None
 
 
-def _eagerly() -> Callable:
-    global _EAGERLY
-    if _EAGERLY is None:
-        import torch._dynamo
-
-        _EAGERLY = torch._dynamo.disable(lambda fn, *args, **kwargs: fn(*args, **kwargs), recursive=True)
-    return _EAGERLY
-
-
-def _forward_outside_compile(inner: Callable, *args, **kwargs):
+def forward_outside_compile(inner: Callable, *args, **kwargs):
+    """A block's ``forward`` (``inner``) kept out of an enclosing torch.compile (wrap installs it beside
+    :meth:`BlockHooks.keep_out_of_enclosing_compile`)."""
     if torch.compiler.is_compiling():
         return _EAGERLY(inner, *args, **kwargs)
     return inner(*args, **kwargs)
@@ -230,31 +223,20 @@ class BlockHooks:
         self._packs = False
         self._recover()
 
-    def keep_out_of_enclosing_compile(self) -> Callable[[], None]:
-        """Makes each block's call, its hooks included, run as without torch.compile when a torch.compile of the
-        whole model (``torch.compile(model)``, the Trainer's ``torch_compile=True``, a compiled ``generate``) traces
-        it: dynamo breaks the graph around the block and compiles what lies between (embedding, head, loss), while
-        the block runs eagerly, or as its own compiled region with ``compile_blocks``. For paged weights: the pager
-        swaps a parameter's ``data`` between an empty placeholder and a device slot, which a traced graph (its fake
-        tensors, its saved weights) cannot follow. Installs an instance ``forward`` on every block (call it after
-        anything else that wraps one); returns the function that restores them."""
-        _eagerly()
-        self._outside_compile = True
-        saved = []
-        for layer in self.layers:
-            inner = layer.__dict__.get("forward")
-            saved.append((layer, inner))
-            layer.__dict__["forward"] = functools.partial(
-                _forward_outside_compile, inner if inner is not None else type(layer).forward.__get__(layer))
+    def keep_out_of_enclosing_compile(self, on: bool = True) -> None:
+        """Makes the hooks run as without torch.compile when a torch.compile of the whole model (``torch.compile(
+        model)``, the Trainer's ``torch_compile=True``, a compiled ``generate``) traces them: dynamo breaks the graph
+        there. With each block's ``forward`` wrapped in :func:`forward_outside_compile` (the caller installs it, last
+        of the forwards' wrappers), the whole block call stays out of the enclosing graph, which compiles what lies
+        between (embedding, head, loss), while the block runs eagerly, or as its own compiled region with
+        ``compile_blocks``. For paged weights: the pager swaps a parameter's ``data`` between an empty placeholder and
+        a device slot, which a traced graph (its fake tensors, its saved weights) cannot follow."""
+        global _EAGERLY
+        if on and _EAGERLY is None:
+            import torch._dynamo
 
-        def restore() -> None:
-            self._outside_compile = False
-            for layer, inner in reversed(saved):
-                if inner is None:
-                    layer.__dict__.pop("forward", None)
-                else:
-                    layer.__dict__["forward"] = inner
-        return restore
+            _EAGERLY = torch._dynamo.disable(lambda fn, *args, **kwargs: fn(*args, **kwargs), recursive=True)
+        self._outside_compile = on
 
     # -- module hooks ---------------------------------------------------------------------------
     def _pre(self, i: int, module: nn.Module, args) -> None:

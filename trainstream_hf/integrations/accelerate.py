@@ -24,6 +24,12 @@ from trainstream_hf.wrap import engine_of, unwrap, wrap
 __all__ = ["TrainStreamPlugin", "TrainStreamAccelerator"]
 
 
+def distributed_kind(distributed_type) -> str:
+    """Accelerate's ``DistributedType`` (or None) as its bare name: "FSDP", "DEEPSPEED", "MULTI_GPU", ... ("" for
+    None)."""
+    return str(getattr(distributed_type, "value", distributed_type) or "").rsplit(".", 1)[-1]
+
+
 @dataclass
 class TrainStreamPlugin:
     """Whether and how :class:`TrainStreamAccelerator` installs the engine.
@@ -95,7 +101,7 @@ class TrainStreamAccelerator(Accelerator):
         mi = next((i for i, o in enumerate(args) if isinstance(o, nn.Module)), None)
         oi = next((i for i, o in enumerate(args) if isinstance(o, torch.optim.Optimizer)), None)
         if mi is not None and engine_of(self.unwrap_model(args[mi])) is None:
-            kind = str(getattr(self.distributed_type, "value", self.distributed_type)).rsplit(".", 1)[-1]
+            kind = distributed_kind(self.distributed_type)
             if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
                 raise ValueError(f"TrainStreamAccelerator: Accelerate runs with {kind}, which decides where the "
                                  "weights and optimizer state live, as trainstream_hf does; use one: a launch config "

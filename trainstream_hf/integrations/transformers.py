@@ -35,6 +35,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from trainstream_hf.config import TrainStreamConfig, config_from_text, env_config, runner_accumulation
+from trainstream_hf.integrations.accelerate import distributed_kind
 from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
@@ -118,9 +119,7 @@ def refuse_sharded_training(args, who: str) -> None:
     """A Trainer run with FSDP or DeepSpeed (``TrainingArguments`` ``fsdp`` / ``deepspeed``, or an ``accelerate
     launch`` config that sets them): each decides where the weights and optimizer state live, as the engine does.
     Raises ValueError saying to use one."""
-    state = getattr(args, "distributed_state", None)
-    kind = getattr(state, "distributed_type", None)
-    kind = str(getattr(kind, "value", kind) or "").rsplit(".", 1)[-1]
+    kind = distributed_kind(getattr(getattr(args, "distributed_state", None), "distributed_type", None))
     used = ("FSDP" if getattr(args, "fsdp", None) or kind == "FSDP" else
             "DeepSpeed" if getattr(args, "deepspeed", None) or kind == "DEEPSPEED" else
             "Megatron-LM" if kind == "MEGATRON_LM" else None)
