@@ -5,6 +5,7 @@ the tests hold whatever the estimates' constants are; what they pin down is the 
 contract of ``predicted_peak``.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainstream_hf import planner
-from trainstream_hf.config import TrainStreamConfig
+from trainstream_hf.config import TrainStreamConfig, parse_bytes
 from trainstream_hf.engine.blocks import find_blocks
-from trainstream_hf.planner import GiB, BudgetError
+from trainstream_hf.planner import GiB, BudgetError, format_bytes
 
 CPU = torch.device("cpu")
 SHAPE = (1, 128)
@@ -219,9 +220,20 @@ def test_below_the_minimum_raises_with_the_minimum():
     assert at.fits() and at.predicted_peak() + at.margin == minimum
     with pytest.raises(BudgetError, match="below the minimum") as e:
         _plan(model, vram_budget=minimum - 1, **kw)
-    assert f"{minimum / GiB:.2f} GiB predicted" in str(e.value)
-    assert f"raise vram_budget to at least {minimum / GiB:.2f} GiB" in str(e.value)
+    # The least budget is rounded up, never down: asking for the figure the message names fits.
+    asked = re.search(r"raise vram_budget to at least ([0-9.]+ [KMG]iB)", str(e.value)).group(1)
+    assert asked == format_bytes(minimum, up=True) and parse_bytes(asked.replace(" ", "")) >= minimum
+    assert _plan(model, vram_budget=asked.replace(" ", ""), **kw).fits()
+    assert f"plus {format_bytes(lowest[0].margin)} kept free" in str(e.value)
     assert "| block |" in str(e.value)  # the table of the plan that did not fit
+
+
+def test_format_bytes_rounds_a_least_amount_up():
+    assert format_bytes(GiB) == format_bytes(GiB, up=True) == "1.00 GiB"
+    assert format_bytes(GiB + 1) == "1.00 GiB" and format_bytes(GiB + 1, up=True) == "1.01 GiB"
+    assert format_bytes(int(9.996 * GiB), up=True) == "10.0 GiB"  # one digit past 10, as when rounded down
+    assert format_bytes(24 * GiB, up=True) == "24.0 GiB" and format_bytes(1500, up=True) == "1.47 KiB"
+    assert format_bytes(900, up=True) == "900 B"
 
 
 def test_offload_optimizer_lists_every_large_trainable_parameter():

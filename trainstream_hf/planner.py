@@ -331,12 +331,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def format_bytes(n: int) -> str:
-    """``n`` bytes for a reader, in the largest unit it reaches: '0 B', '900 B', '145 KiB', '1.50 MiB', '24.0 GiB'."""
+def _digits(v: float) -> int:
+    return 2 if v < 9.995 else 1 if v < 99.95 else 0
+
+
+def format_bytes(n: int, up: bool = False) -> str:
+    """``n`` bytes for a reader, in the largest unit it reaches: '0 B', '900 B', '145 KiB', '1.50 MiB', '24.0 GiB'.
+    ``up``: rounded up at the digits shown, never down (a least amount to ask for: 1.0001 GiB is '1.01 GiB')."""
     for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             v = n / size
-            return f"{v:.{2 if v < 9.995 else 1 if v < 99.95 else 0}f} {unit}"
+            digits = _digits(v)
+            if up:  # in integers (no float noise); 9.996 rounds up to 10.00, which is shown with one digit: 10.0
+                digits = _digits(-(-n * 10**digits // size) / 10**digits)
+                v = -(-n * 10**digits // size) / 10**digits
+            return f"{v:.{digits}f} {unit}"
     return f"{n} B"
 
 
@@ -1020,8 +1029,9 @@ def plan(model: nn.Module, blocks: Sequence[nn.Module], *, batch_shape: tuple[in
         need = pl.predicted_peak() + pl.margin
         raise BudgetError(
             f"vram_budget {format_bytes(budget)} is below the minimum this model needs with as much in host RAM as "
-            f"the options allow: {format_bytes(need)} predicted (with a {format_bytes(pl.margin)} margin); raise "
-            f"vram_budget to at least {format_bytes(need)}, or shorten the batch (batch_shape) -- that plan:\n{pl}")
+            f"the options allow: {format_bytes(need, up=True)} ({format_bytes(pl.predicted_peak(), up=True)} "
+            f"predicted peak plus {format_bytes(pl.margin)} kept free for workspaces); raise vram_budget to at least "
+            f"{format_bytes(need, up=True)}, or shorten the batch (batch_shape) -- that plan:\n{pl}")
     if cpu_adam_pps:
         pl.cpu_adam_pps = float(cpu_adam_pps)
     if pl.offload_optimizer and optimizer_moments == "float32":
