@@ -83,7 +83,7 @@ from trainstream_hf.config import TrainStreamConfig
 from trainstream_hf.quant import outliers as _outliers
 from trainstream_hf.quant.formats import FORMATS, QuantizedTensor, get_format, packed_layout, quantize
 from trainstream_hf.quant.linear import QuantLinear, _is_conv1d
-from trainstream_hf.quant.model import _is_target, _skipped
+from trainstream_hf.quant.model import _is_target, _skipped, warn_weights_left_dense
 
 __all__ = ["TrainStreamQuantizationConfig", "TrainStreamHfQuantizer", "LoadedQuantLinear", "QUANT_METHOD",
            "KBIT_FLAG", "mark_quantized"]
@@ -210,6 +210,7 @@ class TrainStreamHfQuantizer(HfQuantizer):
             self._pick_saved(model, q.modules)
         else:
             self._pick(model, fmt)
+        warn_weights_left_dense(model, fmt.name)  # experts held as 3-D tensors are no linear layers
         if self.pre_quantized:
             for name in sorted(self.targets):
                 self._swap_empty(model, name, fmt)

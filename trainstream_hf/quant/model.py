@@ -11,7 +11,7 @@ from trainstream_hf.quant import outliers as _outliers
 from trainstream_hf.quant.formats import QuantFormat, get_format
 from trainstream_hf.quant.linear import QuantLinear, _is_conv1d, linear_weight
 
-__all__ = ["quantize_model", "quantize_frozen_base", "is_plain_linear"]
+__all__ = ["quantize_model", "quantize_frozen_base", "is_plain_linear", "warn_weights_left_dense"]
 
 # Subclasses of nn.Linear in transformers whose forward is the plain linear map (FalconLinear: x @ W.T + b, written
 # out): packed as nn.Linear is. Every other subclass keeps its own semantics (a router, a head with an fp32 output,
@@ -31,6 +31,31 @@ def _is_target(module: nn.Module) -> bool:
     return is_plain_linear(module) or (_is_conv1d(module) and not isinstance(module, nn.Linear))
 
 
+def warn_weights_left_dense(model: nn.Module, quantize: str, stacklevel: int = 2) -> None:
+    """One warning when ``model`` holds weights the packers never take: parameters of three or more dimensions
+    (mixture-of-experts weights held as (experts, out, in) tensors, as transformers 5 stores Mixtral's, Qwen3-MoE's or
+    GPT-OSS's; convolutions). They stay in their dtype, however large a share of the model they are, and the plan
+    holds or pages them as they are: the warning says how large, so a model that stays mostly 16-bit is not taken
+    for a 4-bit one."""
+    dense, seen, total = [], set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if p.dim() >= 3:
+            dense.append((name, p))
+    if not dense:
+        return
+    count = sum(p.numel() for _, p in dense)
+    name, p = dense[0]
+    size = f"{count / 1e9:.1f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+    warnings.warn(f"quantize={quantize!r} packs nn.Linear layers only: {len(dense)} weight tensors of three or more "
+                  f"dimensions ({size} parameters, {100 * count / max(total, 1):.0f}% of the model) stay in their dtype "
+                  f"at full size, e.g. {name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} (mixture-of-experts "
+                  "weights held as one tensor, or convolutions)", RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
     return any(name == s or name.endswith("." + s) for s in skip)
 
@@ -38,7 +63,8 @@ def _skipped(name: str, skip: tuple[str, ...]) -> bool:
 def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outliers: float = 0.0,
                    skip: str | tuple[str, ...] | list[str] = ("lm_head",), *, act_quant: bool | None = None,
                    device: torch.device | str | None = None,
-                   replaced: Callable[[nn.Module, str, nn.Module], None] | None = None) -> nn.Module:
+                   replaced: Callable[[nn.Module, str, nn.Module], None] | None = None,
+                   warn_dense: bool = True) -> nn.Module:
     """Replaces every ``nn.Linear`` and transformers ``Conv1D`` of ``model`` by a frozen :class:`QuantLinear`.
 
     Layers are converted one at a time and each original is released as soon as its replacement is in place, so
@@ -67,6 +93,8 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
         device: where to run the quantization (default: where each weight is).
         replaced: called as ``replaced(parent, child_name, original)`` once each layer is swapped, before the
             original is released (``wrap`` keeps them, in host RAM, to put them back if it fails).
+        warn_dense: warn when weights that are not linear layers' stay in their dtype
+            (:func:`warn_weights_left_dense`; False where the caller warns once for the whole model).
 
     Returns:
         ``model`` (or the :class:`QuantLinear` when ``model`` itself is an ``nn.Linear``).
@@ -100,6 +128,8 @@ def quantize_model(model: nn.Module, quantize: str | QuantFormat = "nf4", outlie
         raise ValueError(f"quantize_model: {fmt.name} needs in_features to be a multiple of "
                          f"{fmt.in_features_multiple}; these layers are not: {', '.join(bad)}. Add them to skip=, or "
                          f"use int8 or fp8 (any width). Nothing was converted.")
+    if warn_dense:
+        warn_weights_left_dense(model, fmt.name)
     if tied:
         warnings.warn(f"quantize_model: {len(tied)} layers share their weight with another module and stay "
                       f"unquantized: {', '.join(tied[:4])}{' ...' if len(tied) > 4 else ''}", stacklevel=2)
@@ -193,7 +223,9 @@ def quantize_frozen_base(model: nn.Module, quantize: str, outliers: float = 0.0,
     # a bias that trains (PEFT's bias="all" / "lora_only") stays the Parameter it was, trainable, held by the optimizer
     trained_bias = {n: b for n in frozen if isinstance(b := model.get_submodule(n).bias, nn.Parameter)
                     and b.requires_grad}
-    quantize_model(model, quantize, outliers, skip=tuple(keep) + tuple(narrow) + ("lm_head",), replaced=replaced)
+    warn_weights_left_dense(model, fmt.name, stacklevel=3)
+    quantize_model(model, quantize, outliers, skip=tuple(keep) + tuple(narrow) + ("lm_head",), replaced=replaced,
+                   warn_dense=False)
     for n, bias in trained_bias.items():
         layer = model.get_submodule(n)
         if isinstance(layer, QuantLinear):

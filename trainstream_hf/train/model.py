@@ -171,7 +171,7 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
     """
     from trainstream_hf.engine.blocks import find_blocks
     from trainstream_hf.quant import quantize_model
-    from trainstream_hf.quant.model import is_plain_linear
+    from trainstream_hf.quant.model import is_plain_linear, warn_weights_left_dense
 
     device, home = torch.device(device), torch.device(home)
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
@@ -216,7 +216,7 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
         if quantize is not None:
             local_skip = tuple(rel for rel, sub in block.named_modules()
                                if rel and is_plain_linear(sub) and _skipped(f"{name}.{rel}", skip))
-            quantize_model(block, quantize, outliers, skip=local_skip, act_quant=act_quant)
+            quantize_model(block, quantize, outliers, skip=local_skip, act_quant=act_quant, warn_dense=False)
         block.to(home)
 
     def build_own(m: nn.Module, name: str) -> None:
@@ -225,7 +225,8 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
             owners[id(m)]._init_weights(m)
         if quantize is not None and is_plain_linear(m) and name and not _skipped(name, skip) and id(m) not in tied:
             parent, _, child = name.rpartition(".")
-            q = quantize_model(m, quantize, outliers, act_quant=act_quant)  # a Linear gives back its QuantLinear
+            q = quantize_model(m, quantize, outliers, act_quant=act_quant, warn_dense=False)  # a Linear gives back its
+            # QuantLinear
             setattr(model.get_submodule(parent), child, q)
             m = q
         before = dict(m._parameters)
@@ -242,6 +243,8 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
         for cname, child in list(m.named_children()):
             visit(child, f"{name}.{cname}" if name else cname)
 
+    if quantize is not None:
+        warn_weights_left_dense(model, quantize, stacklevel=2)  # once for the model, not per block
     visit(model, "")
     left = [n for k, n in to_build.items() if k not in built]
     if left:  # a parameter reachable from no module visited above: a bug here, not the user's
