@@ -23,6 +23,27 @@ def test_adamw_matches_reference(n, grad_dtype, maximize):
     assert torch.equal(out, p.to(torch.bfloat16))
 
 
+def test_adamw_bits_are_torchs_op_order_with_a_correctly_rounded_sqrt():
+    """Bit for bit: torch.optim.AdamW's single-tensor step (lerp_, addcmul_, then self + (value * m) / denom, each
+    rounded: no fused multiply-add in addcdiv_), with an IEEE sqrt (numpy's; torch's CPU sqrt is not always correctly
+    rounded, the one reason the kernel's bits can differ from torch's)."""
+    import math
+
+    import numpy as np
+    n, lr, b1, b2, eps, wd, step = 100_003, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3
+    p0, m0 = randn_outliers(n, 21), randn_outliers(n, 22) * 0.01
+    v0, g = randn_outliers(n, 23).abs() * 1e-4, randn_outliers(n, 24)
+    p, m, v = p0.clone(), m0.clone(), v0.clone()
+    ops.adamw_step_(p, m, v, g, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step)
+    rm, rv = m0.clone().lerp_(g, 1 - b1), v0.clone().mul_(b2).addcmul_(g, g, value=1 - b2)  # torch's own ops
+    assert torch.equal(m, rm) and torch.equal(v, rv)
+    f32 = np.float32
+    pi = p0.numpy() * f32(1 - lr * wd)
+    denom = np.sqrt(rv.numpy()) / f32(math.sqrt(1 - b2 ** step)) + f32(eps)
+    want = pi + (f32(-(lr / (1 - b1 ** step))) * rm.numpy()) / denom
+    assert torch.equal(p, torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("lr,betas,eps,wd", [
     (1e-3, (0.9, 0.999), 1e-8, 0.01), (3e-2, (0.8, 0.95), 1e-6, 0.0), (1e-4, (0.95, 0.9999), 1e-10, 0.5),
 ])

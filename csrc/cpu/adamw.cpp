@@ -50,11 +50,14 @@ inline void adamw_scalar(float* __restrict p, float* __restrict m, float* __rest
     float gi;
     if constexpr (sizeof(G) == 2) gi = from_bf16(g[i]) * sign; else gi = g[i] * sign;
     const float pi = p[i] * s.decay;
-    // torch's vectorised lerp_ and addcmul_ round through fused multiply-adds; so do we.
+    // torch's vectorised lerp_ and addcmul_ round through fused multiply-adds; so do we. Its addcdiv_ does not: it
+    // computes self + (value * t1) / t2, each operation rounded, and so do we. The bits still differ from
+    // torch.optim.AdamW's in some elements: torch 2.13's vectorised sqrt on the CPU is not correctly rounded (1 ulp
+    // off in ~17% of elements on an AVX-512 host, 2026-12-07), ours is (and so is the CUDA kernel's, which must match).
     const float mi = std::fma(s.one_m_beta1, gi - m[i], m[i]);
     const float vi = std::fma(s.one_m_beta2 * gi, gi, v[i] * s.beta2);
     const float denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
-    const float pn = std::fma(s.neg_step, mi / denom, pi);  // addcdiv_
+    const float pn = pi + (s.neg_step * mi) / denom;  // addcdiv_: self + value * t1 / t2, no fma
     m[i] = mi;
     v[i] = vi;
     p[i] = pn;
@@ -95,7 +98,7 @@ void adamw_avx512(float* __restrict p, float* __restrict m, float* __restrict v,
     const __m512 mi = _mm512_fmadd_ps(omb1, _mm512_sub_ps(gi, mv), mv);
     const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, _mm512_mul_ps(vv, b2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
-    const __m512 pn = _mm512_fmadd_ps(nstep, _mm512_div_ps(mi, denom), pi);
+    const __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nstep, mi), denom));
     _mm512_mask_storeu_ps(m + i, k, mi);
     _mm512_mask_storeu_ps(v + i, k, vi);
     _mm512_mask_storeu_ps(p + i, k, pn);
@@ -141,7 +144,7 @@ void adamw_avx2(float* __restrict p, float* __restrict m, float* __restrict v, c
     const __m256 mi = _mm256_fmadd_ps(omb1, _mm256_sub_ps(gi, mv), mv);
     const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, _mm256_mul_ps(vv, b2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
-    const __m256 pn = _mm256_fmadd_ps(nstep, _mm256_div_ps(mi, denom), pi);
+    const __m256 pn = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(nstep, mi), denom));
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
     _mm256_storeu_ps(p + i, pn);
@@ -289,7 +292,7 @@ __attribute__((always_inline)) inline void adamw_sr_body(float* __restrict p, ui
     const float mi = std::fma(omb1, gi - m0, m0);
     const float vi = std::fma(omb2 * gi, gi, v0 * b2);
     const float denom = std::sqrt(vi) / bc2 + eps;
-    const float pn = std::fma(nstep, mi / denom, pi);
+    const float pn = pi + (nstep * mi) / denom;  // addcdiv_, as above
     const uint32_t r = sr_bits(seed, step, static_cast<uint64_t>(i));
     m[i] = to_bf16_sr(mi, r & 0xffffu);
     v[i] = to_bf16_sr(vi, r >> 16);

@@ -45,7 +45,7 @@ __global__ void adamw_kernel(float* __restrict__ p, float* __restrict__ m, float
     const float mi = __fmaf_rn(s.one_m_beta1, __fsub_rn(gi, mo), mo);
     const float vi = __fmaf_rn(__fmul_rn(s.one_m_beta2, gi), gi, __fmul_rn(v[i], s.beta2));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bc2_sqrt), s.eps);
-    const float pn = __fmaf_rn(s.neg_step, __fdiv_rn(mi, denom), pi);
+    const float pn = __fadd_rn(pi, __fdiv_rn(__fmul_rn(s.neg_step, mi), denom));
     m[i] = mi;
     v[i] = vi;
     p[i] = pn;
