@@ -37,11 +37,8 @@ def warn_weights_left_dense(model: nn.Module, quantize: str, stacklevel: int = 2
     GPT-OSS's; convolutions). They stay in their dtype, however large a share of the model they are, and the plan
     holds or pages them as they are: the warning says how large, so a model that stays mostly 16-bit is not taken
     for a 4-bit one."""
-    dense, seen, total = [], set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+    dense, total = [], 0
+    for name, p in model.named_parameters():  # (each shared parameter once)
         total += p.numel()
         if p.dim() >= 3:
             dense.append((name, p))
@@ -50,10 +47,11 @@ def warn_weights_left_dense(model: nn.Module, quantize: str, stacklevel: int = 2
     count = sum(p.numel() for _, p in dense)
     name, p = dense[0]
     size = f"{count / 1e9:.1f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+    share, dtype = 100 * count / max(total, 1), str(p.dtype).replace("torch.", "")
     warnings.warn(f"quantize={quantize!r} packs nn.Linear layers only: {len(dense)} weight tensors of three or more "
-                  f"dimensions ({size} parameters, {100 * count / max(total, 1):.0f}% of the model) stay in their dtype "
-                  f"at full size, e.g. {name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} (mixture-of-experts "
-                  "weights held as one tensor, or convolutions)", RuntimeWarning, stacklevel=stacklevel + 1)
+                  f"dimensions ({size} parameters, {share:.0f}% of the model) stay in their dtype at full size, e.g. "
+                  f"{name} {tuple(p.shape)} {dtype} (mixture-of-experts weights held as one tensor, or convolutions)",
+                  RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
