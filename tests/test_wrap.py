@@ -624,6 +624,40 @@ def test_accumulation_beyond_the_plan_warns_and_a_planned_one_does_not():
     ts.unwrap(model)
 
 
+def test_a_forward_longer_than_the_plan_warns_once_when_the_plan_would_not_fit_it():
+    """batch_shape=(2, 16) and a budget just above that plan: a 4 x 64 training forward warns once, naming the tokens,
+    the batch_shape and the budget; shorter or equal forwards, evaluation without grad, and the same longer forward
+    under a budget that holds it do not."""
+    import warnings
+
+    def losses(model, shapes, grad=True):
+        for b, t in shapes:
+            ids = torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(t))
+            with torch.set_grad_enabled(grad):
+                out = model(input_ids=ids, labels=ids)
+            if grad:
+                out.loss.backward()
+
+    kw = dict(offload_optimizer=False, page_weights=False, offload_activations=False, recompute=False)
+    one = ts.plan(_llama(), (2, 16), vram_budget="64GiB", **kw)
+    assert one.at_tokens(1.0) == one and one.at_tokens(8.0).predicted_peak() > one.predicted_peak()
+    model, _ = ts.wrap(_llama(), None, vram_budget=one.predicted_peak() + one.margin + 1024, batch_shape=(2, 16), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        losses(model, [(2, 16), (1, 30)])  # no more tokens than planned
+        losses(model, [(4, 64)], grad=False)  # evaluation: nothing saved for a backward
+    with pytest.warns(RuntimeWarning, match=r"4 x 64 = 256 tokens but the plan was made for batch_shape=\(2, 16\)") \
+            as caught:
+        losses(model, [(4, 64), (4, 64)])
+    assert sum("plan was made for" in str(w.message) for w in caught) == 1  # once per engine
+    ts.unwrap(model)
+    model, _ = ts.wrap(_llama(), None, vram_budget="64GiB", batch_shape=(2, 16), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        losses(model, [(4, 64)])  # more tokens, but the plan holds them
+    ts.unwrap(model)
+
+
 def test_gradient_accumulation_steps_is_checked():
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         ts.TrainStreamConfig(gradient_accumulation_steps=0)

@@ -101,8 +101,9 @@ class TrainStreamConfig:
     slots: int = field(default=2, metadata={"help": "Device slots of the weight ring (>= 1)."})
     prefetch: int = field(default=1, metadata={"help": "Blocks copied ahead into the ring (< slots)."})
     batch_shape: tuple | None = field(default=None, metadata={
-        "help": "(batch, sequence length) of one micro-batch, for the plan's activation estimate; default "
-                "(1, min(2048, max_position_embeddings))."})
+        "help": "(batch, sequence length) of the longest micro-batch, for the plan's activation estimate; default "
+                "(1, min(2048, max_position_embeddings)), under a Trainer (its per-device batch, the longer of 2048 "
+                "and TRL's max_length). A training forward with more tokens warns when the plan would not fit them."})
     fp32_outputs: bool = field(default=False, metadata={
         "help": "The forward's floating-point outputs are copied to float32 after it returns (Accelerate's mixed "
                 "precision does this): the plan counts the logits' float32 copy at the end of the forward (1 GiB for "

@@ -25,7 +25,7 @@ import math
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -234,6 +234,16 @@ class Plan:
         paged = [b.host_weight_bytes() for b in self.blocks if b.weights == "host"]
         slot_bytes = self.slots * max(paged, default=0)
         return self.fixed_bytes + resident_w + slot_bytes + max(self._moments())
+
+    def at_tokens(self, factor: float) -> "Plan":
+        """This plan's placements with ``factor`` times the tokens per micro-batch it was made for: every block's
+        activations and input, the logits and the backward's extra scaled by it (linear in the tokens, as with
+        SDPA or flash attention; eager attention's scores grow faster). Weights, gradients and optimizer state do
+        not change. What a forward longer than ``batch_shape`` would need, to warn before it runs out of memory."""
+        blocks = [replace(b, activation_bytes=int(b.activation_bytes * factor), input_bytes=int(b.input_bytes * factor))
+                  for b in self.blocks]
+        return replace(self, blocks=blocks, logits_bytes=int(self.logits_bytes * factor),
+                       backward_extra=int(self.backward_extra * factor))
 
     def held_grad_bytes(self) -> int:
         """Device bytes of the gradients that stay until ``step()``: all of them in device mode; in host mode, those of

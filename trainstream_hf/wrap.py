@@ -41,7 +41,7 @@ from trainstream_hf.engine.compiled import CompiledBlocks, drop_cache, inductor_
 from trainstream_hf.engine.embedding import HostEmbedding, hostable
 from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
-from trainstream_hf.engine.hooks import BlockHooks, BlockListener, forward_outside_compile
+from trainstream_hf.engine.hooks import BlockHooks, BlockListener, forward_outside_compile, in_backward
 from trainstream_hf.engine.norms import FusedNorms
 from trainstream_hf.engine.optimizer import OFFLOADABLE, OffloadedAdamW
 from trainstream_hf.engine.peer import Peers
@@ -116,6 +116,8 @@ class Engine:
         self._step_hook = None
         self._micro = 0  # training (grad-enabled) forwards in the current step
         self._accum_warned = False
+        self.batch_shape: tuple[int, int] | None = None  # what the plan was made for
+        self._tokens_warned = False
         self._last: dict = {}
         self._counted: dict[str, dict] = {}  # the parts' cumulative counters at the end of the last step
         self._gc: GcPauses | None = None
@@ -173,6 +175,31 @@ class Engine:
                           f"{pl.budget / 2**30:.2f} GiB budget, "
                           "and may run out of device memory: pass gradient_accumulation_steps to wrap() (the "
                           "Trainer integration passes the Trainer's)", RuntimeWarning, stacklevel=2)
+
+    def _check_tokens(self, module: nn.Module, args, kwargs) -> None:
+        """Block 0's forward pre-hook: warns once when a training forward carries more tokens than the plan's
+        ``batch_shape`` and the plan, with its activations, logits and backward scaled to them, would not fit."""
+        pl, shape = self.plan, self.batch_shape
+        if self._tokens_warned or pl is None or shape is None or not torch.is_grad_enabled() or in_backward() \
+                or torch.compiler.is_compiling():
+            return
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return
+        tokens, planned = x.shape[:-1].numel(), shape[0] * shape[1]
+        if tokens <= planned:
+            return
+        seen = pl.at_tokens(tokens / planned)
+        if seen.fits():
+            return
+        self._tokens_warned = True
+        dims = " x ".join(str(d) for d in x.shape[:-1])
+        warnings.warn(f"trainstream_hf: this forward runs {dims} = {tokens} tokens but the plan was made for "
+                      f"batch_shape={tuple(shape)} ({planned}); with its activations scaled to them the plan predicts "
+                      f"{planner.format_bytes(seen.predicted_peak() + seen.margin)} against a "
+                      f"{planner.format_bytes(pl.budget)} budget and may run out of device memory: pass the longest "
+                      f"batch as batch_shape to wrap() (TrainStreamConfig(batch_shape=...) for the Trainer)",
+                      RuntimeWarning, stacklevel=2)
 
     def _end_step(self) -> None:
         if self._t0 is not None:
@@ -863,7 +890,9 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
     if isinstance(engine.optimizer, OffloadedAdamW):
         _track_masters(model, engine.optimizer, undo)
-    engine.plan = pl
+    engine.plan, engine.batch_shape = pl, tuple(s.batch_shape)
+    h = blocks[0].register_forward_pre_hook(engine._check_tokens, with_kwargs=True)
+    undo.callback(h.remove)
     engine.casts, engine.norms, engine.loss_owner, engine.fused_head = s.casts, s.norms, s.loss_owner, s.fused_head
     engine.tiled, engine.compiled = s.tiled, s.compiled
     engine._start_clock(undo)

@@ -264,3 +264,42 @@ def test_quantized_model_without_adapters_is_refused(tmp_path, trainstream):
         TrainStreamCallback(vram_budget="64GiB").install(args, model, torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad]))
 
+
+
+def test_the_trainers_default_batch_shape_is_not_the_models_context():
+    """Without batch_shape the plan is made for the per-device batch times the sequences per example, at the longer of
+    2048 tokens and TRL's max_length, never past the model's context (Llama 3.1's 131072 would plan, and measure a
+    block, at 64x the usual sequence)."""
+    from types import SimpleNamespace
+
+    from trainstream_hf.integrations.transformers import trainer_batch_shape
+
+    def model(context):
+        return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context))
+
+    args = SimpleNamespace(per_device_train_batch_size=4)
+    assert trainer_batch_shape(args, model(131072)) == (4, 2048)
+    assert trainer_batch_shape(args, model(64)) == (4, 64)
+    long = SimpleNamespace(per_device_train_batch_size=2, max_length=8192)
+    assert trainer_batch_shape(long, model(131072)) == (2, 8192)
+    assert trainer_batch_shape(SimpleNamespace(per_device_train_batch_size=2, max_length=1024), model(131072),
+                               rows=2) == (4, 2048)  # DPO: chosen and rejected
+    assert trainer_batch_shape(SimpleNamespace(per_device_train_batch_size=2, max_length=None), model(None)) == (2, 2048)
+
+
+def test_the_trainer_plans_for_its_default_batch_shape(tmp_path, monkeypatch):
+    from trainstream_hf import planner
+
+    planned, make = [], planner.plan
+
+    def plan_spy(*args, **kwargs):
+        planned.append(kwargs["batch_shape"])
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", plan_spy)
+    model = tiny_llama(vocab=128, positions=131072)
+    args = TrainStreamTrainingArguments(output_dir=str(tmp_path), trainstream="on", trainstream_vram_budget="64GiB",
+                                        **COMMON)
+    TrainStreamTrainer(model=model, args=args, train_dataset=_data()).create_optimizer()
+    assert planned[-1] == (args.per_device_train_batch_size, 2048)
+    ts.unwrap(model)

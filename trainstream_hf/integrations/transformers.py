@@ -183,19 +183,19 @@ class TrainStreamCallback(TrainerCallback):
                                  "optimizer, so it cannot be replaced from a callback; use TrainStreamTrainer")
             optimizer.optimizer = new_opt
 
-    def install(self, args, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def install(self, args, model: nn.Module, optimizer: torch.optim.Optimizer, rows: int = 1) -> torch.optim.Optimizer:
         """Wraps ``model`` and ``optimizer`` (a plain torch optimizer) for the Trainer's ``args``; returns the
         optimizer to use. A model not on ``args.device`` yet (the engine trainers skip the Trainer's own move) is
-        placed there by the engine, paged blocks staying in host RAM."""
+        placed there by the engine, paged blocks staying in host RAM. ``rows``: sequences each example puts in the
+        forward (2 for DPO's chosen and rejected), for the plan's batch when ``batch_shape`` is not set
+        (:func:`trainer_batch_shape`)."""
         refuse_quantized_without_adapters(model, "TrainStreamCallback")
         refuse_sharded_training(args, "TrainStreamCallback")
         if self.config.optimizer_in_backward and args.max_grad_norm:
             raise ValueError(f"optimizer_in_backward=True updates each weight during backward, before the Trainer "
                              f"clips (max_grad_norm={args.max_grad_norm}): set max_grad_norm=0, or turn "
                              "optimizer_in_backward off to clip")
-        shape = self.config.batch_shape or (args.per_device_train_batch_size,
-                                             getattr(getattr(model, "config", None), "max_position_embeddings",
-                                                     2048) or 2048)
+        shape = self.config.batch_shape or trainer_batch_shape(args, model, rows)
         accumulation = runner_accumulation(self.config.gradient_accumulation_steps,
                                      getattr(args, "gradient_accumulation_steps", 1), "the Trainer's")
         # bf16 / fp16: Accelerate's mixed precision returns the forward's float outputs in float32 (the logits' copy)
@@ -419,6 +419,19 @@ def remove_staging(run_dir: str) -> list[str]:
     return stale
 
 
+def trainer_batch_shape(args, model: nn.Module, rows: int = 1) -> tuple[int, int]:
+    """The (batch, sequence) a Trainer's plan is made for when ``batch_shape`` is not given: ``rows`` times the
+    per-device batch, and the longest sequence the arguments name (TRL's ``max_length``) or 2048, whichever is
+    longer, never past the model's context. Not the context itself: Llama 3.1's is 131072 tokens, and a plan (and
+    the block measured for it) at that length would offload everything, or fail, for batches of a few thousand
+    tokens. A longer batch warns at its first forward (the engine compares each training forward with the plan)."""
+    cfg = getattr(model, "config", None)
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    named = getattr(args, "max_length", None)
+    named = named if isinstance(named, int) and named > 0 else 0
+    return rows * int(args.per_device_train_batch_size), min(int(context), max(2048, named))
+
+
 class EngineTrainerMixin:
     """For Trainer subclasses with the engine: it is installed when the optimizer is created, before Accelerate's
     ``prepare`` (which moves the whole model to the device), and the Trainer's own move in ``__init__`` is skipped,
@@ -437,6 +450,7 @@ class EngineTrainerMixin:
     _ts_given_optimizers: tuple = (None, None)  # the Trainer's optimizer and scheduler as given to __init__
     _ts_saving: int | None = None  # the step whose checkpoint is being written (into its staging folder)
     _ts_push: str | None = None  # a checkpoint push deferred until the checkpoint is in place
+    _ts_rows: int = 1  # sequences per example in the training forward (DPO: chosen and rejected), for the plan
 
     def _ts_setup(self, args, trainstream_config: TrainStreamConfig | None) -> TrainStreamConfig | None:
         cfg = engine_config(args, trainstream_config)
@@ -458,7 +472,7 @@ class EngineTrainerMixin:
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)
         if self._ts_callback is not None and engine_of(self.model) is None:
-            self.optimizer = optimizer = self._ts_callback.install(self.args, self.model, optimizer)
+            self.optimizer = optimizer = self._ts_callback.install(self.args, self.model, optimizer, rows=self._ts_rows)
             self._ts_engine = engine_of(self.model)
             if self._ts_engine is not None and self.args.should_log:
                 plan = str(self._ts_engine.plan)

@@ -181,6 +181,8 @@ class TrainStreamDPOTrainer(EngineTrainerMixin, DPOTrainer):
             intermediate at about ``ref_chunk_tokens * vocab * 4`` bytes.
     """
 
+    _ts_rows = 2  # the training forward carries each pair's chosen and rejected sequences
+
     def __init__(self, *args, trainstream_config: TrainStreamConfig | None = None, ref_chunk_tokens: int = 1024,
                  **kwargs):
         if ref_chunk_tokens < 1:
