@@ -166,24 +166,32 @@ def test_optimizer_of_another_model_is_refused():
     assert ts.engine_of(model) is None
 
 
+_OTHER_OPTIMIZERS = {  # (make, what the refusal names)
+    "sgd": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), r"torch\.optim\.sgd\.SGD"),
+    "amsgrad": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True), r"torch\.optim\.AdamW with amsgrad=True"),
+}
+
+
 @pytest.mark.parametrize("flag", [dict(offload_optimizer=True), dict(optimizer_in_backward=True),
                                   dict(optimizer_staleness=1)])
-def test_an_optimizer_the_engine_cannot_offload_is_refused_where_it_would_be_needed(flag):
-    """The engine's host-RAM optimizer is AdamW / Adam: asking it to offload another optimizer is one line naming the
-    option; with every option left at 'auto' the plan keeps that optimizer's state on the device and trains it as
-    given; a plan that pages its trainable weights (whose updates happen in host RAM) is refused."""
+@pytest.mark.parametrize("other", list(_OTHER_OPTIMIZERS))
+def test_an_optimizer_the_engine_cannot_offload_is_refused_where_it_would_be_needed(flag, other):
+    """The engine's host-RAM optimizer is AdamW / Adam without amsgrad: asking it to offload another optimizer is one
+    line naming the option and the optimizer; with every option left at 'auto' the plan keeps that optimizer's state on
+    the device and trains it as given; a plan that pages its trainable weights (whose updates happen in host RAM) is
+    refused."""
+    make, named = _OTHER_OPTIMIZERS[other]
     model = _llama()
     with pytest.raises(ValueError, match=rf"{next(iter(flag))} runs the optimizer on the engine's AdamW, which takes "
-                                         r"torch\.optim\.AdamW or torch\.optim\.Adam; got torch\.optim\.sgd\.SGD"):
-        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", vram_budget="8GiB",
-                min_offload_numel=0, **flag)
+                                         rf"torch\.optim\.AdamW or torch\.optim\.Adam .*; got {named}"):
+        ts.wrap(model, make(model.parameters()), device="cpu", vram_budget="8GiB", min_offload_numel=0, **flag)
     assert ts.engine_of(model) is None
     ref, model = _llama(), _llama()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    kind = type(opt)
     model, opt = ts.wrap(model, opt, device="cpu", vram_budget="8GiB", min_offload_numel=0, host_arena=None)
-    assert type(opt) is torch.optim.SGD and not ts.engine_of(model).plan.offload_optimizer
+    assert type(opt) is kind and not ts.engine_of(model).plan.offload_optimizer
     for m, o in ((ref, ref_opt), (model, opt)):
         for _ in range(2):
             m(input_ids=ids, labels=ids).loss.backward()
@@ -192,9 +200,10 @@ def test_an_optimizer_the_engine_cannot_offload_is_refused_where_it_would_be_nee
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     ts.unwrap(model)
     model = _llama()
-    with pytest.raises(ValueError, match=r"pages 27 trainable weights to host RAM.*\(got SGD\).*page_weights=False"):
-        ts.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", vram_budget="8GiB",
-                page_weights=True, min_offload_numel=0, host_arena=None)
+    with pytest.raises(ValueError, match=rf"pages 27 trainable weights to host RAM.*\(got {named}\).*"
+                                         r"page_weights=False"):
+        ts.wrap(model, make(model.parameters()), device="cpu", vram_budget="8GiB", page_weights=True,
+                min_offload_numel=0, host_arena=None)
     assert ts.engine_of(model) is None and all(p.numel() > 0 for p in model.parameters())
 
 

@@ -43,7 +43,7 @@ from trainstream_hf.engine.gcstats import GcPauses
 from trainstream_hf.engine.head import FusedHead, chunked_causal_lm_loss, fused_head_bytes
 from trainstream_hf.engine.hooks import BlockHooks, BlockListener, forward_outside_compile, in_backward
 from trainstream_hf.engine.norms import FusedNorms
-from trainstream_hf.engine.optimizer import OFFLOADABLE, OffloadedAdamW
+from trainstream_hf.engine.optimizer import OffloadedAdamW, offload_refusal
 from trainstream_hf.engine.peer import Peers
 from trainstream_hf.engine.streams import TransferStreams
 from trainstream_hf.engine.tiled import TiledMLP
@@ -445,15 +445,16 @@ def _configure(model: nn.Module, optimizer, config: TrainStreamConfig | None, op
         if foreign:
             raise ValueError(f"wrap: the optimizer holds {foreign} tensor(s) that are not parameters of this model; "
                              "build it from this model's parameters (e.g. model.parameters())")
-        if type(optimizer) not in OFFLOADABLE:
-            kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        kind = offload_refusal(optimizer)
+        if kind is not None:
             for flag, on in (("offload_optimizer", config.offload_optimizer is True),
                              ("optimizer_in_backward", config.optimizer_in_backward),
                              ("optimizer_staleness", bool(config.optimizer_staleness))):
                 if on:
                     raise ValueError(f"wrap: {flag} runs the optimizer on the engine's AdamW, which takes "
-                                     f"torch.optim.AdamW or torch.optim.Adam; got {kind}: use one of them, or leave "
-                                     f"{flag} off ({kind} then steps on the device as it is)")
+                                     f"torch.optim.AdamW or torch.optim.Adam (amsgrad, capturable and differentiable "
+                                     f"off); got {kind}: use one of them, or leave {flag} off (the optimizer then "
+                                     "steps on the device as it is)")
             # 'auto' cannot choose host RAM for another optimizer's state: the plan keeps it on the device
             config = replace(config, offload_optimizer=False)
     # Several processes: DDP averages gradients on the device, so the plan counts them there (engine/distributed.py).
@@ -856,11 +857,12 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
             peers.barrier()  # the leaders' writes into shared host memory are done before any process reads
     if optimizer is not None and offload:
         sinks = {p: pager.host_tensor(p) for p in offload if id(p) in paged}
-        if type(optimizer) not in OFFLOADABLE:
+        kind = offload_refusal(optimizer)
+        if kind is not None:
             raise ValueError(f"wrap: the plan pages {len(sinks)} trainable weights to host RAM, where the engine's "
-                             f"AdamW updates them, and it takes torch.optim.AdamW or torch.optim.Adam only (got "
-                             f"{type(optimizer).__qualname__}): use one of them, set page_weights=False, or raise "
-                             "vram_budget")
+                             f"AdamW updates them, and it takes torch.optim.AdamW or torch.optim.Adam only, with "
+                             f"amsgrad, capturable and differentiable off (got {kind}): use one of them, set "
+                             "page_weights=False, or raise vram_budget")
         if sinks and config.grads == "device" and s.dp_group is None:
             raise ValueError(_STALE_PAGED if config.optimizer_staleness else _DEVICE_GRADS_PAGED)
         if sinks and config.offload_optimizer is False:

@@ -49,6 +49,19 @@ from trainstream_hf.engine.streams import Transfer, TransferStreams
 __all__ = ["OffloadedAdamW"]
 
 OFFLOADABLE = (torch.optim.AdamW, torch.optim.Adam)  # the optimizers OffloadedAdamW takes (exactly)
+_UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")  # settings of theirs it does not implement
+
+
+def offload_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """What keeps :class:`OffloadedAdamW` from taking ``optimizer`` (``'torch.optim.sgd.SGD'``, ``'torch.optim.AdamW
+    with amsgrad=True'``), or None when it takes it."""
+    if type(optimizer) not in OFFLOADABLE:
+        return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    for group in optimizer.param_groups:
+        for flag in _UNSUPPORTED_FLAGS:
+            if group.get(flag, False):
+                return f"torch.optim.{type(optimizer).__name__} with {flag}=True"
+    return None
 _MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -116,7 +129,7 @@ class _Slot:
 
 def _hyper(optimizer_cls: type, group: dict) -> dict:
     """The group's hyper-parameters as the CPU kernel takes them, validated."""
-    for flag in ("amsgrad", "capturable", "differentiable"):
+    for flag in _UNSUPPORTED_FLAGS:
         if group.get(flag, False):
             raise ValueError(f"OffloadedAdamW supports Adam/AdamW with {flag}=False only, got {flag}=True")
     beta1, beta2 = (float(b) for b in group["betas"])
