@@ -10,7 +10,7 @@
 #                                                                   recipe_8b_full engine_full_8b micro align_8b_compiled gen_tests
 #                                                                   wrap_tests compile_tests fp8_grad_diag fp8_curve_diag
 #                                                                   compiled_fp8 plan_tests fp8_gemm_diag
-#                                                                   host_embedding
+#                                                                   host_embedding grpo_pair dpo_pair
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -33,6 +33,21 @@ run() {  # run <limit_s> <name> <command...>: tail of its log into the summary
   tail -n 25 "$L/$name.log" >> "$SUM"; echo "-- $name rc=$rc" | tee -a "$SUM"
 }
 B="python3 -m trainstream_hf.bench"
+ACC="accelerate launch --config_file configs/accelerate/single_gpu.yaml"
+# Issue 27's same-run pairs: each alignment recipe's stock TRL + bitsandbytes peer and trainstream's run it is held to.
+recipe() {  # recipe <limit_s> <grpo|dpo> <json name> <recipe arguments...>: the recipe, its summary under that name
+  local lim=$1 r=$2 name=$3; shift 3
+  run "$lim" "$name" $ACC recipes/$r.py --config configs/$r-llama3-8b-nf4-24gib.yaml "$@" --output_dir "/tmp/$name"
+  cp "/tmp/$name/summary.json" "$OUT/$name-$GPU-$SHA.json" 2>/dev/null
+}
+grpo_peer() { recipe 300 grpo grpo-llama3-8b-trl_bnb --trainer trl_bnb --grpo.generation_cache null --train.steps 4; }
+# the decode step compiled (static cache, CUDA graphs); 6 steps: the first compiles. At stock TRL + bitsandbytes' peak
+# (7.7 GiB at 70fdb04): issue 27 compares at equal or lower peak
+grpo_compiled() { recipe 400 grpo grpo-llama3-8b-trainstream-compiled-7.5gib --grpo.generation_cache null \
+  --grpo.compiled_generation true --trainstream.vram_budget 7.5GiB --train.steps 6; }
+dpo_peer() { recipe 300 dpo dpo-llama3-8b-trl_bnb --trainer trl_bnb --train.steps 4; }
+# DPO's memory target (<= 0.6x stock TRL + bitsandbytes): the plan at a budget of ~0.6x that peer's peak
+dpo_7gib() { recipe 300 dpo dpo-llama3-8b-trainstream-7gib --trainstream.vram_budget 7GiB --train.steps 4; }
 for s in "$@"; do case $s in
   lora_tests) CUBLAS_WORKSPACE_CONFIG=:4096:8 run 150 lora_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_lora_cuda.py tests/gpu/test_fp8_speed_cuda.py tests/gpu/test_quant_fp8_cuda.py ;;
@@ -89,32 +104,15 @@ for s in "$@"; do case $s in
   cache) run 900 cache $B cache --out "$OUT" --name "cache-$GPU-$SHA" ;;  # 10 rows, each in its own process (model built in each), 3 repeats of generate()
   longest) run 1200 longest $B table --longest --shape llama3.1-8b --peers ts_nf4,unsloth_ckpt --seq 65536 --granularity 16384 \
       --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;
-  align_8b) for r in grpo dpo; do for t in trainstream trl_bnb; do
-        extra=""; [[ $r == grpo && $t == trl_bnb ]] && extra="--grpo.generation_cache null"
-        run 300 "align_8b_${r}_$t" accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/$r.py \
-          --config configs/$r-llama3-8b-nf4-24gib.yaml --trainer $t $extra --train.steps 4 --output_dir /tmp/$r-$t
-        cp /tmp/$r-$t/summary.json "$OUT/$r-llama3-8b-$t-$GPU-$SHA.json" 2>/dev/null
-      done; done
-      # DPO's memory target (<= 0.6x stock TRL + bitsandbytes): the plan at a budget of ~0.6x that peer's peak
-      run 300 align_8b_dpo_trainstream_7gib accelerate launch --config_file configs/accelerate/single_gpu.yaml \
-        recipes/dpo.py --config configs/dpo-llama3-8b-nf4-24gib.yaml --trainstream.vram_budget 7GiB --train.steps 4 \
-        --output_dir /tmp/dpo-trainstream-7gib
-      cp /tmp/dpo-trainstream-7gib/summary.json "$OUT/dpo-llama3-8b-trainstream-7gib-$GPU-$SHA.json" 2>/dev/null ;;
-  align_8b_compiled)  # the decode step compiled (static cache, CUDA graphs); 6 steps: the first compiles
-      # at stock TRL + bitsandbytes' peak (7.7 GiB at 70fdb04): issue 27 compares at equal or lower peak
-      run 400 align_8b_grpo_compiled_8gib accelerate launch --config_file configs/accelerate/single_gpu.yaml \
-        recipes/grpo.py --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.generation_cache null \
-        --grpo.compiled_generation true --trainstream.vram_budget 7.5GiB --train.steps 6 \
-        --output_dir /tmp/grpo-compiled-8gib
-      cp /tmp/grpo-compiled-8gib/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-7.5gib-$GPU-$SHA.json" \
-        2>/dev/null
+  align_8b) recipe 300 grpo grpo-llama3-8b-trainstream --trainer trainstream --train.steps 4; grpo_peer
+      recipe 300 dpo dpo-llama3-8b-trainstream --trainer trainstream --train.steps 4; dpo_peer; dpo_7gib ;;
+  grpo_pair) grpo_peer; grpo_compiled ;;  # the GRPO ratio in one run, without align_8b's other three recipes
+  dpo_pair) dpo_peer; dpo_7gib ;;
+  align_8b_compiled) grpo_compiled
       # compiled through the config's TrainStreamCache (static: half the layers' K/V in host pages); at 24 GiB it ran
       # out of memory at 70fdb04 (the kept cache and the graphs' pools are outside the plan): 22 GiB leaves them 2
-      run 400 align_8b_grpo_compiled_cache accelerate launch --config_file configs/accelerate/single_gpu.yaml \
-        recipes/grpo.py --config configs/grpo-llama3-8b-nf4-24gib.yaml --grpo.compiled_generation true \
-        --trainstream.vram_budget 22GiB --train.steps 6 --output_dir /tmp/grpo-compiled-cache
-      cp /tmp/grpo-compiled-cache/summary.json "$OUT/grpo-llama3-8b-trainstream-compiled-cache-$GPU-$SHA.json" \
-        2>/dev/null ;;
+      recipe 400 grpo grpo-llama3-8b-trainstream-compiled-cache --grpo.compiled_generation true \
+        --trainstream.vram_budget 22GiB --train.steps 6 ;;
   engine_full_8b) run 580 engine_full_8b $B engine --peers ts_full_bf16m,ds3 --full-shape llama3-8b --warmup 1 --repeats 3 \
       --out "$OUT" --name "engine-full-8b-$GPU-$SHA" ;;
   recipe_8b_full) run 500 recipe_8b_full accelerate launch --config_file configs/accelerate/single_gpu.yaml \
