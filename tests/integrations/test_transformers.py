@@ -284,7 +284,8 @@ def test_the_trainers_default_batch_shape_is_not_the_models_context():
     assert trainer_batch_shape(long, model(131072)) == (2, 8192)
     assert trainer_batch_shape(SimpleNamespace(per_device_train_batch_size=2, max_length=1024), model(131072),
                                rows=2) == (4, 2048)  # DPO: chosen and rejected
-    assert trainer_batch_shape(SimpleNamespace(per_device_train_batch_size=2, max_length=None), model(None)) == (2, 2048)
+    unnamed = SimpleNamespace(per_device_train_batch_size=2, max_length=None)
+    assert trainer_batch_shape(unnamed, model(None)) == (2, 2048)
 
 
 def test_the_trainer_plans_for_its_default_batch_shape(tmp_path, monkeypatch):

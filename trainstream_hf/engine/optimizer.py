@@ -62,6 +62,8 @@ def offload_refusal(optimizer: torch.optim.Optimizer) -> str | None:
             if group.get(flag, False):
                 return f"torch.optim.{type(optimizer).__name__} with {flag}=True"
     return None
+
+
 _MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

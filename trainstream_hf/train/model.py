@@ -225,8 +225,8 @@ def materialize(model: nn.Module, *, device: torch.device | str, home: torch.dev
             owners[id(m)]._init_weights(m)
         if quantize is not None and is_plain_linear(m) and name and not _skipped(name, skip) and id(m) not in tied:
             parent, _, child = name.rpartition(".")
-            q = quantize_model(m, quantize, outliers, act_quant=act_quant, warn_dense=False)  # a Linear gives back its
-            # QuantLinear
+            # a Linear gives back its QuantLinear
+            q = quantize_model(m, quantize, outliers, act_quant=act_quant, warn_dense=False)
             setattr(model.get_submodule(parent), child, q)
             m = q
         before = dict(m._parameters)
