@@ -667,6 +667,27 @@ def test_a_forward_longer_than_the_plan_warns_once_when_the_plan_would_not_fit_i
     ts.unwrap(model)
 
 
+@pytest.mark.parametrize("spec,match", [
+    ("mps", r"device='mps': the engine computes on a CUDA device or the CPU"),
+    ("gpu", r"device='gpu' is not a device"),
+    ("cuda:1", r"device='cuda:1', but this process sees 1 CUDA device\(s\), cuda:0 to cuda:0"),
+    ("cuda", r"device='cuda', but this PyTorch sees no CUDA device"),
+])
+def test_a_device_the_engine_cannot_use_is_one_line_before_anything_changes(spec, match, monkeypatch):
+    if spec == "cuda:1":  # as on a one-GPU machine
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    elif spec == "cuda":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with pytest.raises(ValueError, match=match):
+        ts.wrap(model, opt, device=spec, quantize="nf4")
+    assert ts.engine_of(model) is None
+    assert not any(isinstance(m, ts.QuantLinear) for m in model.modules())  # the base was not packed
+
+
 def test_gradient_accumulation_steps_is_checked():
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         ts.TrainStreamConfig(gradient_accumulation_steps=0)

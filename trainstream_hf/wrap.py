@@ -352,6 +352,27 @@ def _compute_device(model: nn.Module) -> torch.device:
     return cuda[0] if cuda else torch.device("cpu")
 
 
+def _requested_device(spec: str) -> torch.device:
+    """``device=`` checked before anything changes: a CUDA device this process can use, or the CPU, in one line."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={spec!r} is not a device: {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={spec!r}, but this PyTorch sees no CUDA device (torch.cuda.is_available() is "
+                             "False): install a CUDA build of PyTorch, or leave device unset to train where the "
+                             "model's parameters are")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device={spec!r}, but this process sees {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1} (CUDA_VISIBLE_DEVICES renumbers them)")
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cpu":
+        raise ValueError(f"device={spec!r}: the engine computes on a CUDA device or the CPU")
+    return device
+
+
 def _move_outside_blocks(model: nn.Module, block_modules: set[int], device: torch.device) -> None:
     """Moves the parameters and buffers of every module outside the blocks (embeddings, rotary tables,
     final norm, head) to ``device``, in place (parameter objects keep their identity for the optimizer)."""
@@ -536,13 +557,10 @@ def _keep_placement(s: _Setup, undo: contextlib.ExitStack) -> None:
 def _prepare(s: _Setup, undo: contextlib.ExitStack) -> None:
     """Quantization, the compute device, the blocks, and the patches the measurement must see."""
     model, config = s.model, s.config
+    requested = _requested_device(config.device) if config.device is not None else None
     if config.quantize is not None:
         _quantize(s, undo)
-    s.device = _compute_device(model)
-    if config.device is not None:
-        s.device = torch.device(config.device)
-        if s.device.type == "cuda" and s.device.index is None:
-            s.device = torch.device("cuda", torch.cuda.current_device())
+    s.device = requested or _compute_device(model)
     s.blocks = find_blocks(model)
     s.batch_shape = config.batch_shape or _default_batch_shape(model)
     _keep_placement(s, undo)
