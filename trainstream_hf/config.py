@@ -420,3 +420,20 @@ def runner_accumulation(own: int, runner, whose: str) -> int:
                          f"gradient_accumulation_steps={runner}, which decides the micro-batches per step: leave "
                          "trainstream's unset")
     return runner
+
+
+DEFAULT_PLANNED_LENGTH = 2048  # tokens per sequence a plan is made for when nothing names the length
+
+
+def default_batch_shape(model, batch: int = 1, length: int | None = None) -> tuple[int, int]:
+    """The (batch, sequence) a plan is made for when ``batch_shape`` is not given: ``batch`` sequences (a runner's
+    per-device batch, the DataLoader's), each of the longer of 2048 tokens and ``length`` (a length the runner names:
+    TRL's ``max_length``), never past the model's context (``max_position_embeddings`` or ``n_positions``). Not the
+    context itself: Llama 3.1's is 131072 tokens, and a plan (and the block measured for it) at that length would
+    offload everything, or fail, for batches of a few thousand tokens. A training forward with more tokens than the
+    plan's warns when the plan would not hold them (wrap.py, ``Engine._check_tokens``)."""
+    cfg = getattr(model, "config", None)
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or \
+        DEFAULT_PLANNED_LENGTH
+    named = length if isinstance(length, int) and length > 0 else 0
+    return int(batch), min(int(context), max(DEFAULT_PLANNED_LENGTH, named))

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainstream_hf import planner
-from trainstream_hf.config import TrainStreamConfig, nearest_option, option_names, parse_bytes
+from trainstream_hf.config import TrainStreamConfig, default_batch_shape, nearest_option, option_names, parse_bytes
 from trainstream_hf.engine import distributed as data_parallel
 from trainstream_hf.engine.activations import ActivationOffloader
 from trainstream_hf.engine.allocator import enable_expandable_segments, wants_expandable_segments
@@ -387,11 +387,6 @@ def _move_outside_blocks(model: nn.Module, block_modules: set[int], device: torc
                 m._buffers[name] = b.to(device)
 
 
-def _default_batch_shape(model: nn.Module) -> tuple[int, int]:
-    cfg = getattr(model, "config", None)
-    return (1, min(2048, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)))
-
-
 def _maps_host_memory(device: torch.device) -> bool:
     """Whether ``device`` can read pinned host memory in place (a CUDA device: host_embedding)."""
     return device.type == "cuda"
@@ -562,7 +557,7 @@ def _prepare(s: _Setup, undo: contextlib.ExitStack) -> None:
         _quantize(s, undo)
     s.device = requested or _compute_device(model)
     s.blocks = find_blocks(model)
-    s.batch_shape = config.batch_shape or _default_batch_shape(model)
+    s.batch_shape = config.batch_shape or default_batch_shape(model)
     _keep_placement(s, undo)
     _move_outside_blocks(model, {id(m) for b in s.blocks for m in b.modules()}, s.device)
     owner = _own_loss_model(model)

@@ -61,6 +61,30 @@ def test_the_plan_takes_accelerates_gradient_accumulation():
     acc.end_training()
 
 
+def test_the_plan_takes_the_batch_of_a_dataloader_prepared_with_the_model(monkeypatch):
+    """prepare(model, optimizer, loader): the plan is made for the loader's batch size (the length: 2048 or the model's
+    context); an explicit batch_shape wins; without a loader, one sequence."""
+    from trainstream_hf import planner
+    planned, make = [], planner.plan
+
+    def plan_spy(*args, **kwargs):
+        planned.append(kwargs["batch_shape"])
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", plan_spy)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 128, (24, 16)), batch_size=6)
+    for config, loaders, want in ((TrainStreamConfig(vram_budget="64GiB"), [loader], (6, 32)),
+                                  (TrainStreamConfig(vram_budget="64GiB", batch_shape=(2, 8)), [loader], (2, 8)),
+                                  (TrainStreamConfig(vram_budget="64GiB"), [], (1, 32))):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        acc = TrainStreamAccelerator(cpu=True, trainstream_plugin=TrainStreamPlugin("on", config))
+        model = _model()  # max_position_embeddings 32
+        acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), *loaders)
+        assert planned[-1] == want
+        acc.end_training()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("no", None)])
 def test_the_block_is_measured_in_the_prepared_forwards_precision(monkeypatch, precision, dtype):
     """prepare() measures a block under the autocast Accelerate's mixed precision runs the forward in: the

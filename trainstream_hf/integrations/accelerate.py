@@ -18,7 +18,8 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from trainstream_hf.config import TrainStreamConfig, nearest_option, option_names, runner_accumulation
+from trainstream_hf.config import (TrainStreamConfig, default_batch_shape, nearest_option, option_names,
+                                   runner_accumulation)
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamPlugin", "TrainStreamAccelerator"]
@@ -88,7 +89,8 @@ class TrainStreamAccelerator(Accelerator):
 
     def prepare(self, *args, device_placement=None):
         """Installs the engine on the first model (with the first optimizer, if any) of ``args``, then lets
-        Accelerate prepare what ``wrap`` returned.
+        Accelerate prepare what ``wrap`` returned. Without ``batch_shape`` in the config, the plan takes the batch
+        size of a ``DataLoader`` prepared in the same call (sequences of up to 2048 tokens, or the model's context).
 
         The engine goes in first, on ``self.device``: under several processes Accelerate's DDP must be built
         around the wrapped model (``trainstream_hf.engine.distributed`` says why), and a model larger than the
@@ -116,6 +118,10 @@ class TrainStreamAccelerator(Accelerator):
             if config.device is None and placement:
                 # Accelerate's cpu device is "cpu:0", which parameters never report; the engine compares devices.
                 config = replace(config, device="cpu" if self.device.type == "cpu" else str(self.device))
+            loader = next((o for o in args if isinstance(o, torch.utils.data.DataLoader)), None)
+            if config.batch_shape is None and isinstance(getattr(loader, "batch_size", None), int):
+                # a DataLoader prepared in the same call names the batch (not the length: 2048, or the context)
+                config = replace(config, batch_shape=default_batch_shape(model, loader.batch_size))
             config = replace(config, gradient_accumulation_steps=runner_accumulation(  # Accelerate's micro-batches
                 config.gradient_accumulation_steps, self.gradient_accumulation_steps, "Accelerate's"),
                 # mixed precision: prepare() makes the forward return its float outputs in float32 (the logits' copy)

@@ -34,7 +34,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from trainstream_hf.config import TrainStreamConfig, config_from_text, env_config, runner_accumulation
+from trainstream_hf.config import (TrainStreamConfig, config_from_text, default_batch_shape, env_config,
+                                   runner_accumulation)
 from trainstream_hf.integrations.accelerate import distributed_kind
 from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
@@ -421,15 +422,8 @@ def remove_staging(run_dir: str) -> list[str]:
 
 def trainer_batch_shape(args, model: nn.Module, rows: int = 1) -> tuple[int, int]:
     """The (batch, sequence) a Trainer's plan is made for when ``batch_shape`` is not given: ``rows`` times the
-    per-device batch, and the longest sequence the arguments name (TRL's ``max_length``) or 2048, whichever is
-    longer, never past the model's context. Not the context itself: Llama 3.1's is 131072 tokens, and a plan (and
-    the block measured for it) at that length would offload everything, or fail, for batches of a few thousand
-    tokens. A longer batch warns at its first forward (the engine compares each training forward with the plan)."""
-    cfg = getattr(model, "config", None)
-    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
-    named = getattr(args, "max_length", None)
-    named = named if isinstance(named, int) and named > 0 else 0
-    return rows * int(args.per_device_train_batch_size), min(int(context), max(2048, named))
+    per-device batch, at the longer of 2048 tokens and TRL's ``max_length`` (:func:`default_batch_shape`)."""
+    return default_batch_shape(model, rows * int(args.per_device_train_batch_size), getattr(args, "max_length", None))
 
 
 class EngineTrainerMixin:
