@@ -397,7 +397,7 @@ def main(argv=None) -> None:
     docstring)."""
     parser = argparse.ArgumentParser(prog="python -m trainstream_hf.bench.cache",
                                      description="one child process of python -m trainstream_hf.bench cache")
-    parser.add_argument("--child", choices=ROWS + ("bandwidth",))
+    parser.add_argument("--child", choices=ALL_ROWS + ("bandwidth",))
     parser.add_argument("--json")
     parser.add_argument("--child-args", default="{}")
     a = parser.parse_args(argv)
