@@ -39,6 +39,7 @@ import bisect
 import functools
 import inspect
 import math
+import weakref
 
 import torch
 from transformers import PreTrainedConfig
@@ -47,9 +48,73 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from trainstream_hf.engine.arena import HostArena
 from trainstream_hf.engine.streams import Transfer, TransferStreams
 
-__all__ = ["PagedKVCache", "TrainStreamCache", "cache_keyword"]
+__all__ = ["PagedKVCache", "TrainStreamCache", "cache_keyword", "release_host_pages"]
 
 _SLIDING = ("sliding_attention", "chunked_attention")  # same cache behaviour; only the mask differs
+
+# Pinned host pages kept with each model (its config object) for the model's next cache: pinning costs ~0.4 s per
+# GiB (benchmarks/NOTES.md, 2026-12-03), and a cache made for each generate() call pinned its pages anew every
+# time (+0.5-0.7 s of an 8B model's prefill on an H100 at ecec175, where torch's pinned memory, which
+# DynamicCache(offloading=True) uses, is cached). A cache's pages go back to the pool when it is closed or collected;
+# a page handed out again may still be the target of the old cache's last device-to-host copy (a cache dropped right
+# after generate() returns, without close), so each release records an event on the old cache's copy stream and the
+# next cache over the pool waits for those events before its first page is written.
+class _PagePool:
+    def __init__(self, owner, pools: dict):
+        self.arena = HostArena("auto")
+        self.released: list = []  # CUDA events: copies into pages given back, to finish before they are reused
+        key = id(owner)  # (configs define __eq__, so they cannot be dictionary keys themselves)
+        # (the dictionary bound now: at interpreter exit the module's globals may be gone when the config goes)
+        self.owner = weakref.ref(owner, lambda _ref: pools.pop(key, None))
+
+    def take(self) -> HostArena:
+        """The arena, once every copy into pages given back has finished (a host wait; usually long done)."""
+        for event in self.released:
+            event.synchronize()
+        self.released.clear()
+        return self.arena
+
+
+_PAGE_POOLS: dict[int, _PagePool] = {}  # id(config) -> its pool; the entry goes when the config does
+
+
+def _pins_pages(device: torch.device) -> bool:
+    """Offloaded layers' pages are pinned (an arena) on CUDA; on the CPU they are plain tensors."""
+    return device.type == "cuda"
+
+
+def _page_pool(owner) -> _PagePool | None:
+    """The pool the caches over ``owner`` (a model's config) take their host pages from, made at first use; None
+    where ``owner`` takes no weak reference (the cache then pins an arena of its own)."""
+    pool = _PAGE_POOLS.get(id(owner))
+    if pool is not None and pool.owner() is owner and not pool.arena.closed:
+        return pool
+    try:
+        pool = _PagePool(owner, _PAGE_POOLS)
+    except TypeError:
+        return None
+    _PAGE_POOLS[id(owner)] = pool
+    return pool
+
+
+def _give_back(pool: _PagePool, streams) -> None:
+    """A cache's pages are going back to ``pool`` (closed, or collected): its last copies into them are noted."""
+    if streams is not None and streams.is_cuda:
+        event = torch.cuda.Event()
+        event.record(streams.d2h)
+        pool.released.append(event)
+
+
+def release_host_pages(model) -> int:
+    """Gives back the pinned host pages kept for ``model``'s caches (a model or its config): they go once no cache
+    over it still holds them (they go with the model anyway). Returns the bytes that pool had reserved."""
+    config = model if isinstance(model, PreTrainedConfig) else getattr(model, "config", None)
+    pool = _PAGE_POOLS.pop(id(config), None)
+    if pool is None or pool.owner() is not config:
+        return 0
+    reserved = pool.arena.stats()["reserved"]
+    pool.arena.close()
+    return reserved
 
 
 # -- transformers version shims (5.17.0 and 5.24.0; pyproject: transformers>=5.17) ----------------------------
@@ -292,6 +357,8 @@ class PagedKVCache(Cache):
                 setattr(cfg, name, need)
         self.num_slots, self.num_prefetch, self.chunk, self.max_cache_len = slots, prefetch, chunk, max_cache_len
         self._arena, self._own_arena = arena, arena is None
+        self._pages_owner = config  # whose page pool an own arena is drawn from (_page_pool)
+        self._pooled, self._pool = False, None
         self._streams, self._own_streams = streams, streams is None
         self._device: torch.device | None = None
         self._dtype: torch.dtype | None = None
@@ -468,8 +535,11 @@ class PagedKVCache(Cache):
         self._pending.clear()
         self._d2h_event = None
         if self._own_arena and self._arena is not None:
-            self._arena.close()
-            self._arena = None
+            if self._pooled:
+                self._give_back()  # (the pages, dropped above, are back in the model's pool for its next cache)
+            else:
+                self._arena.close()
+            self._arena, self._pooled, self._pool = None, False, None
         if self._own_streams:
             self._streams = None
         self._device, self._dtype, self._batch, self.capacity = None, None, 0, 0
@@ -503,10 +573,22 @@ class PagedKVCache(Cache):
             self.capacity = want if want >= q else _round_up(q, self.chunk)
 
     def _init_layer(self, layer: _PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not layer.resident and self._arena is None and self._device.type == "cuda":
-            # One slab sized for every offloaded layer like this one: pinning is slow, pin once.
+        if not layer.resident and self._arena is None and _pins_pages(self._device):
+            # One slab sized for every offloaded layer like this one: pinning is slow, pin once, and keep it with
+            # the model for its next cache (_page_pool), which finds it free again when this one is gone
             per_layer = self.capacity * (k[:, :, 0].numel() + v[:, :, 0].numel()) * k.element_size()
-            self._arena = HostArena("auto", slab_bytes=_round_up(per_layer * len(self.offloaded_layers), 1 << 20))
+            need = _round_up(per_layer * len(self.offloaded_layers), 1 << 20)
+            pool = _page_pool(self._pages_owner)
+            self._pooled = pool is not None
+            if pool is None:
+                self._arena = HostArena("auto", slab_bytes=need)
+            else:
+                self._arena, self._pool = pool.take(), pool
+                if self._arena.stats()["largest_free"] < need:
+                    self._arena.reserve(need, contiguous=True)
+                # closed or collected, the pages go back with their last copy noted (no reference to self)
+                self._give_back = weakref.finalize(self, _give_back, pool, self._streams)
+                self._give_back.atexit = False  # (at exit the pool goes too: nothing to note)
         layer.k = self._alloc(layer.resident, self.capacity, k)
         layer.v = self._alloc(layer.resident, self.capacity, v)
         layer.batch_size, layer.length, layer.is_initialized = k.shape[0], 0, True
@@ -533,6 +615,8 @@ class PagedKVCache(Cache):
         if resident:  # (static: zeros, as StaticCache's: masked positions must not hold NaN bit patterns)
             return (torch.zeros if self.static else torch.empty)(
                 (shape[1], shape[2], shape[0], shape[3]), dtype=like.dtype, device=self._device).permute(2, 0, 1, 3)
+        if self._pooled:  # (what another cache over the model gave back since is reused after its copies)
+            return self._pool.take().empty(shape, like.dtype)
         if self._arena is not None:
             return self._arena.empty(shape, like.dtype)
         return torch.empty(shape, dtype=like.dtype)

@@ -257,3 +257,27 @@ def test_a_static_cache_too_small_is_refused_in_one_line_cuda(resident):
     with pytest.raises(ValueError, match="do not fit max_cache_len"):
         model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
                        disable_compile=True)
+
+
+def test_a_new_cache_reuses_the_pinned_pages_of_one_dropped_after_generate_cuda():
+    """A cache made for each generate() call and dropped without close as soon as it returns (its last device-to-host
+    copies may still be in flight): the next cache over the model takes the same pinned pages (no new pinning), after
+    those copies, and decodes the same tokens, call after call."""
+    from trainstream_hf import cache as cache_module
+
+    model = _llama(torch.bfloat16, layers=6)
+    ids = _ids(batch=4, length=256)
+    kw = dict(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    reserved = pinned = None
+    for call in range(4):
+        out = model.generate(ids, **{CACHE_KW: TrainStreamCache(model, resident=0.5)}, **kw)  # dropped on return
+        assert torch.equal(out, ref), call
+        pool = cache_module._PAGE_POOLS[id(model.config)]
+        stats = pool.arena.stats()
+        if call == 0:
+            reserved, pinned = stats["reserved"], stats["pin_seconds"]
+            assert pool.arena.pinned and reserved > 0
+        else:
+            assert stats["reserved"] == reserved and stats["pin_seconds"] == pinned, call
+    assert cache_module.release_host_pages(model) == reserved
