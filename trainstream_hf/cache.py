@@ -61,7 +61,9 @@ _SLIDING = ("sliding_attention", "chunked_attention")  # same cache behaviour; o
 # next cache over the pool waits for those events before its first page is written.
 class _PagePool:
     def __init__(self, owner, pools: dict):
-        self.arena = HostArena("auto")
+        # (slabs are reserved as each cache needs them, one per cache shape; a block that finds no room takes a slab
+        # of its own, at least this size)
+        self.arena = HostArena("auto", slab_bytes="64MiB")
         self.released: list = []  # CUDA events: copies into pages given back, to finish before they are reused
         key = id(owner)  # (configs define __eq__, so they cannot be dictionary keys themselves)
         # (the dictionary bound now: at interpreter exit the module's globals may be gone when the config goes)
