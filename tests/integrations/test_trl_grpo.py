@@ -217,9 +217,16 @@ def test_grpo_config_installs_engine(tmp_path):
     assert ts.engine_of(trainer.model) is None
 
 
-def test_grpo_generates_through_the_paged_cache(tmp_path):
+def test_grpo_generates_through_the_paged_cache(tmp_path, monkeypatch):
+    """A cache per generation, its pages (pinned on CUDA) kept with the model for the next step's cache and given
+    back when train() ends."""
+    from trainstream_hf import cache as cache_module
     from trainstream_hf.cache import TrainStreamCache
 
+    monkeypatch.setattr(cache_module, "_pins_pages", lambda device: True)  # the pool, as on CUDA (pageable here)
+    pooled = []
+    real_take = cache_module._PagePool.take
+    monkeypatch.setattr(cache_module._PagePool, "take", lambda pool: pooled.append(pool) or real_take(pool))
     tok = _tokenizer()
     trainer = TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path, max_steps=2),
                                      train_dataset=_prompts(), processing_class=tok, peft_config=LoraConfig(**LORA),
@@ -236,6 +243,8 @@ def test_grpo_generates_through_the_paged_cache(tmp_path):
     finally:
         TrainStreamCache.__init__ = real_init
     assert made == [0.0, 0.0] and "generate" not in trainer.model.__dict__
+    assert pooled and len(set(map(id, pooled))) == 1  # both steps' caches took pages from one pool
+    assert pooled[0].arena.closed and pooled[0] not in cache_module._PAGE_POOLS.values()  # given back at the end
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
     with pytest.raises(ValueError, match="generation_cache: the fraction of layers"):
         TrainStreamGRPOTrainer(model=_base_model(tok), reward_funcs=_reward, args=_args(tmp_path),

@@ -374,12 +374,14 @@ class TrainStreamGRPOTrainer(EngineTrainerMixin, GRPOTrainer):
             _drop_stale_input_grad_hooks(policy)
 
     def train(self, *args, **kwargs):
-        from trainstream_hf.integrations.trl_online import close_kept
+        from trainstream_hf.integrations.trl_online import close_kept, release_generation_pages
 
         try:
             return super().train(*args, **kwargs)
         finally:
             close_kept(self._ts_kept_cache)
+            if self.generation_cache is not None:
+                release_generation_pages(self.accelerator.unwrap_model(self.model))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         _log(self, logs)

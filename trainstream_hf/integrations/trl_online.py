@@ -48,7 +48,8 @@ from trainstream_hf.integrations.trl import (_drop_stale_input_grad_hooks, _is_p
                                              _synchronize_engines)
 from trainstream_hf.losses import token_logprobs
 
-__all__ = ["TrainStreamOnlineDPOConfig", "TrainStreamOnlineDPOTrainer", "close_kept", "generation_through_cache"]
+__all__ = ["TrainStreamOnlineDPOConfig", "TrainStreamOnlineDPOTrainer", "close_kept", "generation_through_cache",
+           "release_generation_pages"]
 
 
 @dataclass
@@ -125,6 +126,15 @@ def close_kept(keep: dict) -> None:
     keep.pop("size", None)
     if cache is not None:
         cache.close()
+
+
+def release_generation_pages(model: nn.Module) -> None:
+    """At the end of training: the pinned host pages the caches of :func:`generation_through_cache` left with the
+    model for its next cache (``trainstream_hf.cache.release_host_pages``) go back, instead of staying pinned while
+    the trained model lives."""
+    from trainstream_hf.cache import release_host_pages
+
+    release_host_pages(model.get_base_model() if hasattr(model, "get_base_model") else model)
 
 
 def _new_tokens(model: nn.Module, prompt: int, kwargs: dict) -> int:
@@ -226,6 +236,13 @@ class TrainStreamOnlineDPOTrainer(EngineTrainerMixin, OnlineDPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         finally:  # (the hooks TRL's checkpointing toggles leave on the embedding: see the GRPO trainer)
             _drop_stale_input_grad_hooks(self.accelerator.unwrap_model(model))
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.generation_cache is not None:
+                release_generation_pages(self.accelerator.unwrap_model(self.model))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         _log(self, logs)
