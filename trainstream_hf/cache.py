@@ -360,7 +360,7 @@ class PagedKVCache(Cache):
         self.num_slots, self.num_prefetch, self.chunk, self.max_cache_len = slots, prefetch, chunk, max_cache_len
         self._arena, self._own_arena = arena, arena is None
         self._pages_owner = config  # whose page pool an own arena is drawn from (_page_pool)
-        self._pooled, self._pool = False, None
+        self._pool: _PagePool | None = None  # the model's pool, where this cache's pages come from (_page_pool)
         self._streams, self._own_streams = streams, streams is None
         self._device: torch.device | None = None
         self._dtype: torch.dtype | None = None
@@ -537,11 +537,11 @@ class PagedKVCache(Cache):
         self._pending.clear()
         self._d2h_event = None
         if self._own_arena and self._arena is not None:
-            if self._pooled:
+            if self._pool is not None:
                 self._give_back()  # (the pages, dropped above, are back in the model's pool for its next cache)
             else:
                 self._arena.close()
-            self._arena, self._pooled, self._pool = None, False, None
+            self._arena, self._pool = None, None
         if self._own_streams:
             self._streams = None
         self._device, self._dtype, self._batch, self.capacity = None, None, 0, 0
@@ -581,7 +581,6 @@ class PagedKVCache(Cache):
             per_layer = self.capacity * (k[:, :, 0].numel() + v[:, :, 0].numel()) * k.element_size()
             need = _round_up(per_layer * len(self.offloaded_layers), 1 << 20)
             pool = _page_pool(self._pages_owner)
-            self._pooled = pool is not None
             if pool is None:
                 self._arena = HostArena("auto", slab_bytes=need)
             else:
@@ -617,7 +616,7 @@ class PagedKVCache(Cache):
         if resident:  # (static: zeros, as StaticCache's: masked positions must not hold NaN bit patterns)
             return (torch.zeros if self.static else torch.empty)(
                 (shape[1], shape[2], shape[0], shape[3]), dtype=like.dtype, device=self._device).permute(2, 0, 1, 3)
-        if self._pooled:  # (what another cache over the model gave back since is reused after its copies)
+        if self._pool is not None:  # (what another cache over the model gave back since is reused after its copies)
             return self._pool.take().empty(shape, like.dtype)
         if self._arena is not None:
             return self._arena.empty(shape, like.dtype)

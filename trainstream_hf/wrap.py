@@ -117,6 +117,7 @@ class Engine:
         self._micro = 0  # training (grad-enabled) forwards in the current step
         self._accum_warned = False
         self.batch_shape: tuple[int, int] | None = None  # what the plan was made for
+        self._tokens_fit = 0  # the most tokens a training forward carried that the plan was found to hold
         self._tokens_warned = False
         self._last: dict = {}
         self._counted: dict[str, dict] = {}  # the parts' cumulative counters at the end of the last step
@@ -179,18 +180,18 @@ class Engine:
     def _check_tokens(self, module: nn.Module, args, kwargs) -> None:
         """Block 0's forward pre-hook: warns once when a training forward carries more tokens than the plan's
         ``batch_shape`` and the plan, with its activations, logits and backward scaled to them, would not fit."""
-        pl, shape = self.plan, self.batch_shape
-        if self._tokens_warned or pl is None or shape is None or not torch.is_grad_enabled() or in_backward() \
-                or torch.compiler.is_compiling():
+        if self._tokens_warned or not torch.is_grad_enabled() or in_backward() or torch.compiler.is_compiling():
             return
         x = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             return
+        pl, shape = self.plan, self.batch_shape
         tokens, planned = x.shape[:-1].numel(), shape[0] * shape[1]
-        if tokens <= planned:
+        if tokens <= max(planned, self._tokens_fit):  # (a length found to fit is not scaled again every step)
             return
         seen = pl.at_tokens(tokens / planned)
         if seen.fits():
+            self._tokens_fit = tokens
             return
         self._tokens_warned = True
         dims = " x ".join(str(d) for d in x.shape[:-1])
