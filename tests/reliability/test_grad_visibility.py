@@ -70,3 +70,34 @@ def test_forced_device_grads_that_cannot_hold_is_an_error():
         ts.wrap(model, torch.optim.AdamW(model.parameters()), vram_budget="64GiB", host_arena=None,
                 grads="device", **CASES["paged trainable weights"])
     assert ts.engine_of(model) is None
+
+
+@pytest.mark.parametrize("case", ["paged trainable weights", "host grads"])
+def test_manual_grad_scaler_unscales_skips_and_steps_as_plain(case):
+    """A hand-written loop with torch.amp.GradScaler (fp32 weights, scaled loss): ``unscale_`` reaches the host-held
+    gradients, an overflowing scale skips the step (no weight and no optimizer state moves) and the scaled steps
+    after it give the plain model's weights."""
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), vram_budget="64GiB",
+                         batch_shape=(2, 16), host_arena=None, **CASES[case])
+    scalers = {id(m): torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1000) for m in (ref, model)}
+    weights = lambda: [v.clone() for v in model.state_dict().values()]  # noqa: E731 (paged ones are empty outside use)
+    start = weights()
+    for step in range(12):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            s = scalers[id(m)]
+            s.scale(m(input_ids=IDS.roll(step, 1), labels=IDS.roll(step, 1)).loss).backward()
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        if step == 0:  # the loss times 2**127 overflows float32: the step was skipped
+            assert scalers[id(model)].get_scale() == 2.0 ** 126
+            assert all(torch.equal(p, q) for p, q in zip(weights(), start))
+    assert scalers[id(model)].get_scale() == scalers[id(ref)].get_scale() > 2.0 ** 114  # later steps were taken
+    assert not all(torch.equal(p, q) for p, q in zip(weights(), start))
+    for p, q in zip(ts.unwrap(model).parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
