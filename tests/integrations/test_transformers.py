@@ -304,3 +304,39 @@ def test_the_trainer_plans_for_its_default_batch_shape(tmp_path, monkeypatch):
     TrainStreamTrainer(model=model, args=args, train_dataset=_data()).create_optimizer()
     assert planned[-1] == (args.per_device_train_batch_size, 2048)
     ts.unwrap(model)
+
+
+@pytest.mark.parametrize("route", ["trainer", "callback"])
+def test_a_second_train_goes_on_as_a_plain_trainers(tmp_path, route, monkeypatch):
+    """``train()`` twice on one Trainer: the engine taken out at the end of the first goes back in over the user's
+    optimizer with the moments and step counts the first left, as a plain Trainer's optimizer goes on (constant
+    learning rate: the second run trains). The control: the same run with the moments dropped ends elsewhere."""
+    kw = dict(COMMON, max_steps=3, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1)
+
+    def run(trainer_cls, args_cls, **extra):
+        model = _model()
+        ts_args = {"callbacks": [TrainStreamCallback(offload_optimizer=True, min_offload_numel=0,
+                                                      vram_budget="64GiB")]} if route == "callback" else {}
+        args = args_cls(output_dir=str(tmp_path / trainer_cls.__name__), **kw, **extra)
+        trainer = trainer_cls(model=model, args=args, train_dataset=_data(), **ts_args)
+        trainer.train()
+        trainer.train()
+        return trainer, model
+
+    _, ref = run(Trainer, TrainingArguments)
+    engine_args = {} if route == "callback" else dict(trainstream="on", trainstream_offload_optimizer="true",
+                                                        trainstream_min_offload_numel=0,
+                                                        trainstream_vram_budget="64GiB")
+    cls, args_cls = (Trainer, TrainingArguments) if route == "callback" else (TrainStreamTrainer,
+                                                                                TrainStreamTrainingArguments)
+    trainer, model = run(cls, args_cls, **engine_args)
+    assert type(trainer.optimizer.optimizer).__name__ == "OffloadedAdamW" and ts.engine_of(model) is None
+    assert trainer.state.global_step == 3  # (each train() counts its own steps)
+    diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters()))
+    assert diff < 1e-6
+
+    from trainstream_hf.engine.optimizer import OffloadedAdamW
+    monkeypatch.setattr(OffloadedAdamW, "handed_back", lambda self: (self._user_optimizer, {
+        "state": {}, "param_groups": self.state_dict()["param_groups"]}))
+    _, fresh = run(cls, args_cls, **engine_args)
+    assert max((p - q).abs().max().item() for p, q in zip(ref.parameters(), fresh.parameters())) > 1e-4

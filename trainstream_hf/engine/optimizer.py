@@ -1009,6 +1009,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     unwrap = release
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def handed_back(self) -> tuple[torch.optim.Optimizer, dict]:
+        """After :meth:`release`: the user's optimizer this one stood for and this one's state dict (its host state
+        stays readable until this object is dropped). A later wrap of the same model over that optimizer continues
+        where this one stopped with ``new.load_state_dict(state)``, as a plain optimizer used again would (the
+        Trainer's second ``train()``)."""
+        if not self._released:
+            raise RuntimeError("OffloadedAdamW.handed_back() before release(): use state_dict()")
+        return self._user_optimizer, self.state_dict()
+
     def stats(self) -> dict:
         """Counters of the last step (bytes each way, seconds in the CPU kernel and in ``step``) and sizes."""
         on_host = [s for s in self._slots.values() if s.where != "resident"]
