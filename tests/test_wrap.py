@@ -784,3 +784,31 @@ def test_wrap_leaves_the_users_random_stream_alone(options):
     ts.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", vram_budget="8GiB", host_arena=None,
             batch_shape=(2, 32), **options)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_wrap_again_over_the_returned_optimizer_goes_on_from_its_state():
+    """wrap, train, unwrap, wrap again with the optimizer the first wrap returned: the second engine takes the user's
+    optimizer behind it and that engine's moments and step counts, so the run matches a plain one throughout; the
+    optimizer of a model still wrapped is refused in one line."""
+    def llama():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref, model = llama(), llama()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for rounds in range(2):
+        model, opt = ts.wrap(model, opt, offload_optimizer=True, min_offload_numel=0)
+        if rounds == 0:
+            with pytest.raises(ValueError, match="still wrapped; unwrap that model first"):
+                ts.wrap(llama(), opt)
+        for step in range(2):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m(input_ids=ids.roll(step, 1), labels=ids.roll(step, 1)).loss.backward()
+                o.step()
+                o.zero_grad()
+        ts.unwrap(model)
+    assert type(opt).__name__ == "OffloadedAdamW"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

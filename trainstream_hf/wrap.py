@@ -1041,6 +1041,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         state, else the user's optimizer). ``model.trainstream_stats()`` gives the last step's figures and
         ``model.trainstream_plan`` the plan.
 
+    ``optimizer`` may be the optimizer an earlier ``wrap`` returned whose model was unwrapped since: the user's
+    optimizer behind it is wrapped again and goes on from that engine's state (moments, step counts), as the plain
+    optimizer used again would.
+
     Raises:
         RuntimeError: the model is already wrapped.
         ValueError: a model the engine does not train (encoder-decoder, no repeated blocks, weights on ``meta``);
@@ -1051,6 +1055,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         BudgetError: the model cannot be trained within ``vram_budget``.
         HostMemoryError: the host cannot hold what the plan puts there (checked before pinning).
     """
+    carried = None
+    if isinstance(optimizer, OffloadedAdamW):
+        if not optimizer.released:
+            raise ValueError("wrap: this optimizer is the one an earlier wrap returned, and its model is still "
+                             "wrapped; unwrap that model first, or pass a torch.optim optimizer")
+        optimizer, carried = optimizer.handed_back()
     config, dp_group = _configure(model, optimizer, config, options)
     # peer: one host copy of a frozen paged base per host (engine/peer.py); a collective, on every rank of the group
     peers = Peers.find(dp_group, config.peer)
@@ -1061,6 +1071,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         pl = _make_plan(s)
         _allocate(engine, s, pl, peers, undo)
         _install(engine, s, pl, peers, undo)
+        if carried is not None:
+            engine.optimizer.load_state_dict(carried)
         for k in s.keep:
             k.commit()  # wrap succeeded: the quantized layers and the new placement stay
         engine._undo = undo.pop_all()

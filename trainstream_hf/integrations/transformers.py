@@ -41,7 +41,6 @@ from trainstream_hf.quant.linear import QuantLinear
 from trainstream_hf.integrations.huggingface import TrainStreamQuantizationConfig, mark_quantized
 from trainstream_hf.quant.model import quantize_frozen_base  # re-exported: its home before wrap(quantize=) used it
 from trainstream_hf.quant.model import is_plain_linear
-from trainstream_hf.engine.optimizer import OffloadedAdamW
 from trainstream_hf.wrap import engine_of, unwrap, wrap
 
 __all__ = ["TrainStreamCallback", "TrainStreamEnvCallback", "TrainStreamTrainingArguments", "TrainStreamTrainer",
@@ -192,13 +191,10 @@ class TrainStreamCallback(TrainerCallback):
         rejected), for the plan's batch when ``batch_shape`` is not set (:func:`trainer_batch_shape`).
 
         ``optimizer`` is a plain torch optimizer, or (a second ``train()`` after the engine was taken out at the end
-        of the first) the Accelerate-prepared optimizer the last engine returned: the new engine then takes over the
+        of the first) the Accelerate-prepared optimizer the last engine returned: :func:`wrap` then takes over the
         user's optimizer and that engine's state, so the moments and step counts go on as a plain optimizer's
         would."""
         optimizer = getattr(optimizer, "optimizer", optimizer)  # (Accelerate's wrapper of a second train())
-        carried = None
-        if isinstance(optimizer, OffloadedAdamW) and optimizer.released:
-            optimizer, carried = optimizer.handed_back()
         refuse_quantized_without_adapters(model, "TrainStreamCallback")
         refuse_sharded_training(args, "TrainStreamCallback")
         if self.config.optimizer_in_backward and args.max_grad_norm:
@@ -221,12 +217,6 @@ class TrainStreamCallback(TrainerCallback):
         # Trainer's forward runs in: the activations as trained, and compiled blocks compile once, not twice
         with training_autocast(args, cfg.device):
             _, new_opt = wrap(model, optimizer, cfg)
-        if carried is not None:
-            try:
-                new_opt.load_state_dict(carried)
-            except BaseException:
-                unwrap(model)
-                raise
         if cfg.quantize is not None:
             self.quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n in dense]
             # ... and marks it as a loaded one would be, so that after train() the user's model can be dequantized,
