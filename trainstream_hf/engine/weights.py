@@ -222,12 +222,12 @@ class WeightPager(BlockListener):
             # Free each block's original as soon as it has a host copy, so that paging a model that
             # sits in (pageable) host RAM needs one block of headroom, not a second copy of the model.
             for p in blk.params:
+                _mark(p)
                 p.data = self._placeholder(p)
-                setattr(p, PAGED_ATTR, True)
         for blk in unfilled:
             for p in blk.params:
+                _mark(p)
                 p.data = self._placeholder(p)
-                setattr(p, PAGED_ATTR, True)
         if skipped:
             warnings.warn(f"WeightPager: {len(skipped)} parameters are shared beyond their block and stay on "
                           f"the device: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
@@ -565,9 +565,17 @@ def _own_storage_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> to
     return _typed_view(raw, 0, like)
 
 
+def _mark(p: nn.Parameter) -> None:
+    """Marks ``p`` paged before its data becomes a placeholder. ``ds_numel`` (ZeRO-3's attribute for the same trick)
+    keeps its true size where counts of a model's parameters look for it: PEFT's ``print_trainable_parameters``."""
+    setattr(p, PAGED_ATTR, True)
+    p.ds_numel = p.numel()
+
+
 def _unmark(p: nn.Parameter) -> None:
     if getattr(p, PAGED_ATTR, False):
         delattr(p, PAGED_ATTR)
+        p.__dict__.pop("ds_numel", None)
 
 
 class _Kept:
