@@ -10,7 +10,7 @@
 #                                                                   recipe_8b_full engine_full_8b micro align_8b_compiled gen_tests
 #                                                                   wrap_tests compile_tests fp8_grad_diag fp8_curve_diag
 #                                                                   compiled_fp8 plan_tests fp8_gemm_diag
-#                                                                   host_embedding grpo_pair dpo_pair
+#                                                                   host_embedding grpo_pair grpo_cache dpo_pair
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; L=/tmp/gpu-round; mkdir -p "$OUT" "$L"
@@ -44,6 +44,9 @@ grpo_peer() { recipe 300 grpo grpo-llama3-8b-trl_bnb --trainer trl_bnb --grpo.ge
 # the decode step compiled (static cache, CUDA graphs); 6 steps: the first compiles. At stock TRL + bitsandbytes' peak
 # (7.7 GiB at 70fdb04): issue 27 compares at equal or lower peak
 grpo_compiled() { recipe 400 grpo grpo-llama3-8b-trainstream-compiled-7.5gib --grpo.generation_cache null \
+  --grpo.compiled_generation true --trainstream.vram_budget 7.5GiB --train.steps 6; }
+# the same, generating through a static TrainStreamCache with every layer resident (issue 27: "engine and cache on")
+grpo_cache() { recipe 400 grpo grpo-llama3-8b-trainstream-compiled-cache-7.5gib --grpo.generation_cache 1.0 \
   --grpo.compiled_generation true --trainstream.vram_budget 7.5GiB --train.steps 6; }
 dpo_peer() { recipe 300 dpo dpo-llama3-8b-trl_bnb --trainer trl_bnb --train.steps 4; }
 # DPO's memory target (<= 0.6x stock TRL + bitsandbytes): the plan at a budget of ~0.6x that peer's peak
@@ -106,6 +109,7 @@ for s in "$@"; do case $s in
       --row-timeout 240 --out "$OUT" --name "table-longest-llama3.1-8b-$GPU-$SHA" ;;
   align_8b) recipe 300 grpo grpo-llama3-8b-trainstream --trainer trainstream --train.steps 4; grpo_peer
       recipe 300 dpo dpo-llama3-8b-trainstream --trainer trainstream --train.steps 4; dpo_peer; dpo_7gib ;;
+  grpo_cache) grpo_peer; grpo_cache ;;  # the same peer beside the run through TrainStreamCache
   grpo_pair) grpo_peer; grpo_compiled ;;  # the GRPO ratio in one run, without align_8b's other three recipes
   dpo_pair) dpo_peer; dpo_7gib ;;
   align_8b_compiled) grpo_compiled
