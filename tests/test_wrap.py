@@ -826,3 +826,24 @@ def test_peft_counts_paged_parameters_at_their_size():
     assert paged and model.get_nb_trainable_parameters() == want
     ts.unwrap(model)
     assert model.get_nb_trainable_parameters() == want and not any(hasattr(p, "ds_numel") for p in paged)
+
+
+def test_an_optimizer_made_after_wrap_cannot_step_paged_weights():
+    """An optimizer made after wrap would step the empty placeholders of paged weights: its step is refused in one line
+    before it changes anything, while the gradients themselves are computed and read as usual; an optimizer over the
+    weights that stay on the device steps, and after unwrap nothing is refused."""
+    model = tiny_llama(vocab=128)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, none = ts.wrap(model, page_weights=True, min_offload_numel=0)
+    assert none is None and model.trainstream_plan.paged_blocks
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    late = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"steps weights the engine pages.*wrap\(\) was given no optimizer: pass"):
+        late.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    torch.optim.AdamW(model.lm_head.parameters(), lr=1e-2).step()
+    assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])
+    ts.unwrap(model)
+    late.step()

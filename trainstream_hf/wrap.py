@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainstream_hf import planner
 from trainstream_hf.config import TrainStreamConfig, default_batch_shape, nearest_option, option_names, parse_bytes
@@ -904,6 +905,15 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
                       RuntimeWarning, stacklevel=3)
     if pager is not None:
         pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
+    orphans = weakref.WeakValueDictionary((id(p), p) for p in pager.paged_parameters() if p.requires_grad) \
+        if pager is not None and optimizer is None else None
+    if orphans:
+        # An optimizer made after wrap would step the paged weights' empty placeholders: any optimizer's step over one
+        # of them is refused (their gradients may still be computed and read, as p.grad shows them).
+        h = register_optimizer_step_pre_hook(
+            lambda opt, *_: _refuse_step_of_paged(opt, orphans))
+        undo.callback(h.remove)
+        weakref.finalize(engine, h.remove)  # (a wrapped model dropped without unwrap)
     if isinstance(engine.optimizer, OffloadedAdamW):
         _track_masters(model, engine.optimizer, undo)
     engine.plan, engine.batch_shape = pl, tuple(s.batch_shape)
@@ -926,6 +936,13 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
             undo.callback(_restore_attr, layer, "forward", layer.__dict__.get("forward", _MISSING))
             inner = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
             layer.__dict__["forward"] = functools.partial(forward_outside_compile, inner)
+
+
+def _refuse_step_of_paged(optimizer: torch.optim.Optimizer, paged: weakref.WeakValueDictionary) -> None:
+    if any(paged.get(id(p)) is p for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError("trainstream_hf: this optimizer steps weights the engine pages (outside their block's use "
+                           "their data is an empty placeholder), but wrap() was given no optimizer: pass it, "
+                           "wrap(model, optimizer, ...), and the engine updates them in host RAM; or page_weights=False")
 
 
 def _guard_layout(model: nn.Module, blocks, undo: contextlib.ExitStack) -> None:
