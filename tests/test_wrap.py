@@ -847,3 +847,23 @@ def test_an_optimizer_made_after_wrap_cannot_step_paged_weights():
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])
     ts.unwrap(model)
     late.step()
+
+
+def test_wrap_again_without_offload_takes_the_moments_but_not_the_masters():
+    """The second wrap keeps the optimizer state on the device (offload_optimizer=False): the user's optimizer gets
+    the first engine's moments and step counts, and no copy of its fp32 masters (the engine's alone)."""
+    model = tiny_llama(vocab=128).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, opt = ts.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload_optimizer=True,
+                         min_offload_numel=0)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    moments = {id(p): st["exp_avg"].clone() for p, st in opt.state.items()}
+    ts.unwrap(model)
+    model, plain = ts.wrap(model, opt, offload_optimizer=False)
+    assert type(plain) is torch.optim.AdamW and len(plain.state) == len(moments)
+    for p, st in plain.state.items():
+        assert "master" not in st and float(st["step"]) == 2
+        torch.testing.assert_close(st["exp_avg"].float(), moments[id(p)].float(), rtol=0, atol=1e-2)

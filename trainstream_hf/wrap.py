@@ -1064,7 +1064,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     Raises:
         RuntimeError: the model is already wrapped.
-        ValueError: a model the engine does not train (encoder-decoder, no repeated blocks, weights on ``meta``);
+        ValueError: the optimizer an earlier ``wrap`` returned while its model is still wrapped; a model the engine
+            does not train (encoder-decoder, no repeated blocks, weights on ``meta``);
             ``grads="device"`` when the plan pages trainable weights; (several processes) the model is already
             inside DistributedDataParallel, ``grads="host"``, ``optimizer_in_backward``, trainable paged weights,
             or the processes planned differently (``engine/distributed.py``); ``optimizer_in_backward`` with
@@ -1089,6 +1090,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         _allocate(engine, s, pl, peers, undo)
         _install(engine, s, pl, peers, undo)
         if carried is not None:
+            if not isinstance(engine.optimizer, OffloadedAdamW):  # (the fp32 masters are the engine's alone)
+                carried = {**carried, "state": {k: {n: v for n, v in st.items() if n != "master"}
+                                                for k, st in carried["state"].items()}}
             engine.optimizer.load_state_dict(carried)
         for k in s.keep:
             k.commit()  # wrap succeeded: the quantized layers and the new placement stay
