@@ -60,6 +60,13 @@ def test_preference_pairs_are_named_as_such(recipe, tmp_path):
     assert "has no \"completion\"" in message and "train on yours with TrainStreamDPOTrainer" in message
 
 
+def test_conversational_rows_are_named_as_such(recipe, tmp_path):
+    path = _jsonl(tmp_path, '{"messages": [{"role": "user", "content": "rev(abc)="}, '
+                            '{"role": "assistant", "content": "cba"}]}\n')
+    message = _fails(recipe, "sft", tmp_path, "--data.train_file", str(path))
+    assert 'has no "prompt" or "completion" (its keys: messages)' in message and "chat template" in message
+
+
 def test_field_that_is_not_a_string_is_named(recipe, tmp_path):
     path = _jsonl(tmp_path, GOOD + '{"prompt": "rev(abc)=", "completion": 17}\n')
     message = _fails(recipe, "sft", tmp_path, "--data.train_file", str(path))

@@ -121,6 +121,11 @@ def read_jsonl(path: str, *, option: str = "data.train_file", fields: tuple[str,
                 names = " or ".join(f'"{k}"' for k in missing)
                 pairs = ("; preference pairs (chosen / rejected) are not read by the recipes, which derive their own: "
                          "train on yours with TrainStreamDPOTrainer") if {"chosen", "rejected"} <= set(row) else ""
+                if "messages" in row:
+                    pairs = ("; conversational rows (messages) are not read by the recipes: render each with your "
+                             "tokenizer's chat template into a prompt (every turn but the last) and a completion (the "
+                             "last assistant turn), or train on them with TRL's SFTTrainer and the Trainer flag "
+                             "(TrainStreamTrainingArguments / TRAINSTREAM=on)")
                 raise ConfigError(f"{where} line {n} has no {names} (its keys: {', '.join(row) or 'none'}); "
                                   f"expected {FORMAT}{pairs}")
             for k in fields:
