@@ -814,18 +814,27 @@ def test_wrap_again_over_the_returned_optimizer_goes_on_from_its_state():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def test_peft_counts_paged_parameters_at_their_size():
+@pytest.mark.parametrize("peft", [False, True])
+def test_parameter_counts_see_paged_parameters_at_their_size(peft):
     """A paged parameter's data is an empty placeholder outside its block's use; PEFT's parameter count (what
-    ``print_trainable_parameters`` prints) still sees its size while wrapped, and nothing of it stays after unwrap."""
+    ``print_trainable_parameters`` prints) and transformers' ``num_parameters()`` still see its size while wrapped,
+    and nothing of it stays after unwrap."""
     from peft import LoraConfig, get_peft_model
-    model = get_peft_model(tiny_llama(vocab=128), LoraConfig(r=4, target_modules="all-linear"))
-    want = model.get_nb_trainable_parameters()
+    model = tiny_llama(vocab=128)
+    if peft:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+
+    def counts():
+        return ([model.num_parameters(only_trainable=t, exclude_embeddings=e) for t in (False, True)
+                 for e in (False, True)] + [model.get_nb_trainable_parameters() if peft else None])
+    want = counts()
     model, _ = ts.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
                        page_weights=True, min_offload_numel=0)
     paged = [p for p in model.parameters() if p.numel() == 0]
-    assert paged and model.get_nb_trainable_parameters() == want
+    assert paged and counts() == want
     ts.unwrap(model)
-    assert model.get_nb_trainable_parameters() == want and not any(hasattr(p, "ds_numel") for p in paged)
+    assert counts() == want and not any(hasattr(p, "ds_numel") for p in paged)
+    assert not any("num_parameters" in m.__dict__ for m in model.modules())
 
 
 def test_an_optimizer_made_after_wrap_cannot_step_paged_weights():

@@ -929,6 +929,8 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
         model.__dict__[name] = value
         undo.callback(model.__dict__.pop, name, None)
     _guard_layout(model, blocks, undo)
+    if pager is not None:
+        _count_paged_at_their_size(model, undo)
     if pager is not None:  # last of the forwards' wrappers: a torch.compile of the whole model leaves the blocks out
         hooks.keep_out_of_enclosing_compile()
         undo.callback(hooks.keep_out_of_enclosing_compile, False)
@@ -936,6 +938,25 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
             undo.callback(_restore_attr, layer, "forward", layer.__dict__.get("forward", _MISSING))
             inner = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
             layer.__dict__["forward"] = functools.partial(forward_outside_compile, inner)
+
+
+def _count_paged_at_their_size(model: nn.Module, undo: contextlib.ExitStack) -> None:
+    """transformers' ``num_parameters()`` counts ``numel()``, which is 0 for a paged parameter outside its block's use:
+    while wrapped, the model's own method is wrapped to count those at their size (``ds_numel``, engine/weights.py)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    counted = getattr(type(base), "num_parameters", None)
+    if counted is None or "num_parameters" in base.__dict__:
+        return
+
+    def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        skip = {f"{n}.weight" for n, m in base.named_modules() if isinstance(m, nn.Embedding)} \
+            if exclude_embeddings else set()
+        return counted(base, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + sum(
+            p.ds_numel - p.numel() for n, p in base.named_parameters()
+            if hasattr(p, "ds_numel") and n not in skip and (p.requires_grad or not only_trainable))
+
+    base.__dict__["num_parameters"] = num_parameters
+    undo.callback(base.__dict__.pop, "num_parameters", None)
 
 
 def _refuse_step_of_paged(optimizer: torch.optim.Optimizer, paged: weakref.WeakValueDictionary) -> None:
