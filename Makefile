@@ -43,10 +43,13 @@ build: $(EXT)
 
 # Two pytest workers (pytest-xdist): the suite's processes and threads are its own, so two cores finish it in
 # about three quarters of the time (2026-12-06: 368 s -> 279 s on the 2-core dev machine). TEST_WORKERS=0: serial.
+# One OpenMP thread by default in the workers and the processes they start (each test sets its own count where it
+# matters, tests/conftest.py): two workers of two threads each oversubscribed the two cores (2026-12-08, three
+# test files: 106 s -> 97 s).
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j2 build $(VENV)/.weights
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VPY) -m pytest -q -n $(TEST_WORKERS) tests
 
 demo: build $(VENV)/.ready
 	$(VPY) recipes/sft.py --config configs/sft-tiny-cpu.yaml
