@@ -905,15 +905,6 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
                       RuntimeWarning, stacklevel=3)
     if pager is not None:
         pager.track_state_dict(model, engine.optimizer if isinstance(engine.optimizer, OffloadedAdamW) else None)
-    orphans = weakref.WeakValueDictionary((id(p), p) for p in pager.paged_parameters() if p.requires_grad) \
-        if pager is not None and optimizer is None else None
-    if orphans:
-        # An optimizer made after wrap would step the paged weights' empty placeholders: any optimizer's step over one
-        # of them is refused (their gradients may still be computed and read, as p.grad shows them).
-        h = register_optimizer_step_pre_hook(
-            lambda opt, *_: _refuse_step_of_paged(opt, orphans))
-        undo.callback(h.remove)
-        weakref.finalize(engine, h.remove)  # (a wrapped model dropped without unwrap)
     if isinstance(engine.optimizer, OffloadedAdamW):
         _track_masters(model, engine.optimizer, undo)
     engine.plan, engine.batch_shape = pl, tuple(s.batch_shape)
@@ -931,6 +922,8 @@ def _install(engine: Engine, s: _Setup, pl: planner.Plan, peers, undo: contextli
     _guard_layout(model, blocks, undo)
     if pager is not None:
         _count_paged_at_their_size(model, undo)
+        if optimizer is None:
+            _refuse_late_optimizers(engine, pager, undo)
     if pager is not None:  # last of the forwards' wrappers: a torch.compile of the whole model leaves the blocks out
         hooks.keep_out_of_enclosing_compile()
         undo.callback(hooks.keep_out_of_enclosing_compile, False)
@@ -957,6 +950,16 @@ def _count_paged_at_their_size(model: nn.Module, undo: contextlib.ExitStack) -> 
 
     base.__dict__["num_parameters"] = num_parameters
     undo.callback(base.__dict__.pop, "num_parameters", None)
+
+
+def _refuse_late_optimizers(engine: Engine, pager: WeightPager, undo: contextlib.ExitStack) -> None:
+    """wrap was given no optimizer: one made afterwards would step the paged weights' empty placeholders, so any
+    optimizer's step over one of them is refused (their gradients may still be computed and read, as p.grad shows)."""
+    paged = weakref.WeakValueDictionary((id(p), p) for p in pager.paged_parameters() if p.requires_grad)
+    if paged:
+        h = register_optimizer_step_pre_hook(lambda opt, *_: _refuse_step_of_paged(opt, paged))
+        undo.callback(h.remove)
+        weakref.finalize(engine, h.remove)  # (a wrapped model dropped without unwrap)
 
 
 def _refuse_step_of_paged(optimizer: torch.optim.Optimizer, paged: weakref.WeakValueDictionary) -> None:

@@ -567,7 +567,8 @@ def _own_storage_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> to
 
 def _mark(p: nn.Parameter) -> None:
     """Marks ``p`` paged before its data becomes a placeholder. ``ds_numel`` (ZeRO-3's attribute for the same trick)
-    keeps its true size where counts of a model's parameters look for it: PEFT's ``print_trainable_parameters``."""
+    keeps its true size where counts of a model's parameters look for it: PEFT's ``print_trainable_parameters``, and
+    transformers' ``num_parameters()`` as the engine wraps it (wrap.py)."""
     setattr(p, PAGED_ATTR, True)
     p.ds_numel = p.numel()
 
